@@ -1,0 +1,1 @@
+"""Model files into model parameters: GGUF, HF safetensors directories, orbax caches, tokenizers."""
