@@ -1,0 +1,18 @@
+"""agentjax.kv: the KV data plane on the host (block pool, prefix hashes, hybrid manager, layout).
+
+Host only: never imports jax, so the scheduler, the router and benchmarks can use it without a device.
+"""
+from agentjax.kv.block_pool import NULL_PAGE, BlockPool, EvictionOrder, LRUEvictionOrder
+from agentjax.kv.events import BlockRemoved, BlockStored, KVEvent
+from agentjax.kv.hashing import block_hashes, hash_block_tokens, root_hash
+from agentjax.kv.manager import KVCacheManager
+from agentjax.kv.specs import (CompressedLatentSpec, FullAttentionSpec, IndexerKeySpec, KVGroup, KVGroupPlan,
+                               KVSpec, MLALatentSpec, RecurrentStateSpec, RollingStateSpec, SlidingWindowSpec,
+                               plan_groups)
+
+__all__ = [
+    "NULL_PAGE", "BlockPool", "EvictionOrder", "LRUEvictionOrder", "BlockRemoved", "BlockStored", "KVEvent",
+    "block_hashes", "hash_block_tokens", "root_hash", "KVCacheManager", "CompressedLatentSpec",
+    "FullAttentionSpec", "IndexerKeySpec", "KVGroup", "KVGroupPlan", "KVSpec", "MLALatentSpec",
+    "RecurrentStateSpec", "RollingStateSpec", "SlidingWindowSpec", "plan_groups",
+]

@@ -1,0 +1,195 @@
+"""Per-group page logic for the three prefix-hit rules: prefix, window and checkpoint.
+
+Each group finds how much of a prefix it can serve (never more than it is asked), lists the cached
+pages a hit reuses, sizes a request's block table and caches pages once their KV is written. The
+hybrid manager composes them; a group never decides anything for another. Host only: never imports jax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agentjax.kv.block_pool import NULL_PAGE, BlockPool
+from agentjax.kv.hashing import BlockHash
+from agentjax.kv.specs import KVGroup
+
+
+@dataclass
+class GroupTable:
+    """One request's pages in one group: `pages[j]` holds tokens [j*T, (j+1)*T) (NULL_PAGE if not held).
+
+    For a checkpoint group `pages` is `[running_state_page]`.
+    """
+
+    pages: list[int] = field(default_factory=list)
+    num_cached_pages: int = 0  # leading pages already offered to the cache
+    last_checkpoint: int = 0  # checkpoint groups: tokens at the latest saved state
+
+
+class GroupManager:
+    """Shared behaviour; subclasses implement `find_hit` and the table shape for one hit rule."""
+
+    def __init__(self, group: KVGroup, pool: BlockPool, hash_block_size: int):
+        self.group = group
+        self.group_id = group.group_id
+        self.pool = pool
+        self.tokens_per_page = group.tokens_per_page
+        self.hashes_per_page = group.tokens_per_page // hash_block_size
+        self.token_granular = group.spec.token_granular
+        self.index = pool.cached[group.group_id]
+
+    def page_keys(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """The hash naming each full page: the chained hash of the page's last base block."""
+        step = self.hashes_per_page
+        return hashes if step == 1 else hashes[step - 1::step]
+
+    def find_hit(self, keys: list[BlockHash], limit: int, cap: int) -> int:
+        """The longest hit <= `limit` this group can serve; `cap` (prompt length - 1) may be unaligned."""
+        raise NotImplementedError
+
+    def reused_pages(self, keys: list[BlockHash], hit: int) -> tuple[list[int], int]:
+        """(cached pages the hit takes, index of the first of them in the block table)."""
+        raise NotImplementedError
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_page)
+
+    def num_new_pages(self, table_start: int, num_reused: int, num_tokens: int) -> int:
+        return self.num_pages_for(num_tokens) - table_start - num_reused
+
+    def build_table(self, table_start: int, reused: list[int], new_pages: list[int]) -> GroupTable:
+        return GroupTable([NULL_PAGE] * table_start + reused + new_pages, num_cached_pages=table_start + len(reused))
+
+    def grow(self, table: GroupTable, num_tokens: int) -> int:
+        """Pages to add so that the table covers `num_tokens` tokens."""
+        return max(0, self.num_pages_for(num_tokens) - len(table.pages))
+
+    def cache_full_pages(self, table: GroupTable, keys: list[BlockHash], num_computed: int,
+                         tokens_of_page) -> None:
+        """Offer pages whose tokens are all written to the cache (first come is kept on duplicates)."""
+        limit = min(num_computed // self.tokens_per_page, len(keys), len(table.pages))
+        pool, group_id = self.pool, self.group_id
+        for j in range(table.num_cached_pages, limit):
+            page = table.pages[j]
+            if page != NULL_PAGE:
+                tokens = tokens_of_page(j) if pool.enable_events else None
+                pool.cache_page(page, group_id, keys[j], keys[j - 1] if j else None, tokens)
+        table.num_cached_pages = max(table.num_cached_pages, limit)
+
+    def pages_out_of_window(self, table: GroupTable, num_computed: int) -> list[int]:
+        return []
+
+    def release_order(self, table: GroupTable) -> list[int]:
+        """The request's pages, tail first: the order in which they should be evicted."""
+        return table.pages[::-1]
+
+
+class PrefixGroup(GroupManager):
+    """Full attention, MLA latent, compressed latent, indexer keys: every earlier token is needed."""
+
+    def cached_run(self, keys: list[BlockHash], max_pages: int) -> list[int]:
+        index = self.index
+        run: list[int] = []
+        for key in keys[:max_pages]:
+            page = index.get(key)
+            if page is None:
+                break
+            run.append(page)
+        return run
+
+    def find_hit(self, keys: list[BlockHash], limit: int, cap: int) -> int:
+        size = self.tokens_per_page
+        extent = len(self.cached_run(keys, -(-limit // size))) * size
+        if limit <= extent and (limit % size == 0 or (limit == cap and self.token_granular)):
+            return limit
+        return min(extent, limit // size * size)
+
+    def reused_pages(self, keys: list[BlockHash], hit: int) -> tuple[list[int], int]:
+        return self.cached_run(keys, -(-hit // self.tokens_per_page)), 0
+
+
+class WindowGroup(GroupManager):
+    """Sliding window or rolling state: only the pages inside the last `window` tokens are kept."""
+
+    def __init__(self, group: KVGroup, pool: BlockPool, hash_block_size: int):
+        super().__init__(group, pool, hash_block_size)
+        self.window = group.spec.window
+
+    def first_needed_page(self, position: int) -> int:
+        """The first page a query at `position` reads (it sees the `window - 1` tokens before it)."""
+        return max(0, position - self.window + 1) // self.tokens_per_page
+
+    def find_hit(self, keys: list[BlockHash], limit: int, cap: int) -> int:
+        size, index = self.tokens_per_page, self.index
+        hit = limit
+        while hit > 0:
+            if hit % size and not (hit == cap and self.token_granular):
+                hit = hit // size * size
+                continue
+            last = -(-hit // size) - 1
+            missing = next((j for j in range(last, self.first_needed_page(hit) - 1, -1)
+                            if j >= len(keys) or keys[j] not in index), None)
+            if missing is None:
+                return hit
+            hit = missing * size
+        return 0
+
+    def reused_pages(self, keys: list[BlockHash], hit: int) -> tuple[list[int], int]:
+        if hit == 0:
+            return [], 0
+        first = self.first_needed_page(hit)
+        return [self.index[keys[j]] for j in range(first, -(-hit // self.tokens_per_page))], first
+
+    def pages_out_of_window(self, table: GroupTable, num_computed: int) -> list[int]:
+        """Replace pages that no future query reads by NULL_PAGE; return them oldest first."""
+        first_needed = self.first_needed_page(num_computed)
+        dropped = []
+        for j in range(min(first_needed, len(table.pages))):
+            if table.pages[j] != NULL_PAGE:
+                dropped.append(table.pages[j])
+                table.pages[j] = NULL_PAGE
+        return dropped
+
+    def release_order(self, table: GroupTable) -> list[int]:
+        return [page for page in reversed(table.pages) if page != NULL_PAGE]
+
+
+class CheckpointGroup(GroupManager):
+    """A fixed-size recurrent state: one running page per request; checkpoints are page copies.
+
+    A hit at `h` tokens copies the checkpoint saved at `h` into the request's running page; saving
+    a checkpoint copies the running page into a fresh page that becomes cached (and free).
+    """
+
+    def find_hit(self, keys: list[BlockHash], limit: int, cap: int) -> int:
+        size = self.tokens_per_page
+        hit = limit // size * size
+        while hit > 0 and (hit // size > len(keys) or keys[hit // size - 1] not in self.index):
+            hit -= size
+        return hit
+
+    def reused_pages(self, keys: list[BlockHash], hit: int) -> tuple[list[int], int]:
+        # The checkpoint page is read once (a copy), not kept in the table; see the manager.
+        return ([self.index[keys[hit // self.tokens_per_page - 1]]] if hit else []), 0
+
+    def num_new_pages(self, table_start: int, num_reused: int, num_tokens: int) -> int:
+        return 1
+
+    def build_table(self, table_start: int, reused: list[int], new_pages: list[int]) -> GroupTable:
+        return GroupTable(list(new_pages))
+
+    def grow(self, table: GroupTable, num_tokens: int) -> int:
+        return 0
+
+    def checkpoint_key(self, keys: list[BlockHash], num_computed: int) -> BlockHash | None:
+        """The key of a checkpoint to save after `num_computed` tokens, or None if none is due."""
+        size = self.tokens_per_page
+        if num_computed == 0 or num_computed % size or num_computed // size > len(keys):
+            return None
+        key = keys[num_computed // size - 1]
+        return None if key in self.index else key
+
+
+def make_group_manager(group: KVGroup, pool: BlockPool, hash_block_size: int) -> GroupManager:
+    rule = group.spec.hit_rule
+    cls = {"prefix": PrefixGroup, "window": WindowGroup, "checkpoint": CheckpointGroup}[rule]
+    return cls(group, pool, hash_block_size)

@@ -1,0 +1,53 @@
+"""Per-request KV bookkeeping: the token buffer, the chained block hashes and one table per group.
+
+Plain containers that the manager mutates; they own no policy. Host only: never imports jax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from agentjax.kv.groups import GroupManager, GroupTable
+from agentjax.kv.hashing import BlockHash
+
+
+class TokenBuffer:
+    """A growable uint32 token array (amortised O(1) appends for decode)."""
+
+    __slots__ = ("_data", "size")
+
+    def __init__(self, tokens: np.ndarray):
+        self._data = tokens
+        self.size = len(tokens)
+
+    def extend(self, new_tokens: np.ndarray) -> None:
+        end = self.size + len(new_tokens)
+        if end > len(self._data):
+            grown = np.empty(max(end, 2 * len(self._data), 64), dtype=np.uint32)
+            grown[:self.size] = self._data[:self.size]
+            self._data = grown
+        self._data[self.size:end] = new_tokens
+        self.size = end
+
+    def view(self) -> np.ndarray:
+        return self._data[:self.size]
+
+
+@dataclass
+class RequestKV:
+    req_id: str
+    tokens: TokenBuffer
+    root: BlockHash
+    hashes: list[BlockHash]  # chained hash of every full base block hashed so far
+    tables: list[GroupTable]
+    num_cached_tokens: int
+    num_computed: int = 0
+
+    def tokens_of_page(self, group: GroupManager):
+        size = group.tokens_per_page
+
+        def tokens(j: int) -> tuple[int, ...]:
+            return tuple(self.tokens.view()[j * size:(j + 1) * size].tolist())
+
+        return tokens
