@@ -1,0 +1,93 @@
+"""Models: the Flax NNX decoder, its parameters, presets, and `load_model`.
+
+`load_model(spec)` accepts None (the embedded SmolLM2-135M-Instruct), an embedded model name,
+"preset:NAME", a GGUF file or an HF directory, and returns `(ModelConfig, params, tokenizer)`.
+Converted embedded models are cached with orbax, so a second start skips dequantisation.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from agentjax.config import ModelConfig
+from agentjax.errors import ModelLoadError
+from agentjax.models.decoder import Decoder
+from agentjax.models.params import arrays_from_params, params_from_arrays, random_params
+from agentjax.models.presets import PRESETS, preset_config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Decoder", "ModelConfig", "PRESETS", "load_model", "params_from_arrays", "arrays_from_params"]
+
+
+def _tokenizer_from_gguf(path: Path) -> Any:
+    from checkpoints.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(path)
+
+
+def _load_gguf_cached(path: Path, use_cache: bool) -> tuple[ModelConfig, dict]:
+    from checkpoints.embedded import cache_dir
+    from checkpoints.gguf import load_gguf
+    from checkpoints.orbax_io import cache_key, restore_params, save_params
+
+    entry = cache_dir() / "converted" / f"{path.stem}-{cache_key(path)}"
+    if use_cache and (entry / "config.json").is_file():
+        try:
+            started = time.perf_counter()
+            cfg, arrays = restore_params(entry)
+            logger.info("restored %s from %s in %.1fs", path.name, entry, time.perf_counter() - started)
+            return cfg, arrays
+        except Exception as exc:  # a torn or foreign cache entry: convert again
+            logger.warning("ignoring unreadable model cache %s: %s", entry, exc)
+    started = time.perf_counter()
+    cfg, arrays, _ = load_gguf(path)
+    logger.info("converted %s in %.1fs", path.name, time.perf_counter() - started)
+    if use_cache:
+        try:
+            save_params(entry, cfg, arrays)
+        except OSError as exc:
+            logger.warning("could not cache converted model at %s: %s", entry, exc)
+    return cfg, arrays
+
+
+def resolve_model_path(spec: str | None) -> Path | None:
+    """The file or directory a model spec names (None for presets)."""
+    from checkpoints.embedded import EMBEDDED_MODELS, embedded_model_path
+
+    if spec is None or spec in ("default", *EMBEDDED_MODELS):
+        return embedded_model_path("smollm2-135m-instruct" if spec in (None, "default") else spec)
+    if spec.startswith("preset:"):
+        return None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {spec!r} not found: give a GGUF file, an HF directory, 'preset:NAME' "
+            f"or an embedded model ({', '.join(EMBEDDED_MODELS)})"
+        )
+    return path
+
+
+def load_model(
+    spec: str | None = None, *, dtype: str = "float32", use_cache: bool = True, seed: int = 0
+) -> tuple[ModelConfig, Any, Any]:
+    """`(config, params, tokenizer)` for a model spec; params are an `nnx.State` on the device."""
+    from checkpoints.embedded import smollm2_path
+
+    path = resolve_model_path(spec)
+    if path is None:
+        cfg = preset_config(spec.removeprefix("preset:")).replace(dtype=dtype)
+        return cfg, random_params(cfg, seed), _tokenizer_from_gguf(smollm2_path())
+    if path.is_dir():
+        from checkpoints.hf import load_hf
+
+        cfg, arrays, tokenizer = load_hf(path)
+    elif path.suffix == ".gguf":
+        cfg, arrays = _load_gguf_cached(path, use_cache)
+        tokenizer = _tokenizer_from_gguf(path)
+    else:
+        raise ModelLoadError(f"{path}: expected a .gguf file or an HF directory with config.json")
+    cfg = cfg.replace(dtype=dtype)
+    return cfg, params_from_arrays(cfg, arrays), tokenizer

@@ -1,0 +1,81 @@
+"""The decoder-only transformer (llama and gemma3 families) as a Flax NNX module.
+
+`Decoder.__call__` runs one ragged batch: embeds its tokens, runs every layer (each reads and
+writes its slice of the paged KV buffer) and returns final hidden states plus the updated pages.
+`Decoder.logits` turns chosen hidden states into vocabulary logits. Pure functions of their
+inputs: no global state, so `jax.jit`, `jax.grad` and `jax.vmap` apply.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from typing import TYPE_CHECKING
+
+from flax import nnx
+from jaxtyping import Array, Float
+
+from agentjax.config import ModelConfig
+from agentjax.models.attention import Attention
+from agentjax.models.layers import GatedMLP, RMSNorm, _init, dense
+
+if TYPE_CHECKING:
+    from agentjax.runner.batch import RaggedBatch
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks; Gemma adds a norm after each block too."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        eps, dtype = cfg.rms_norm_eps, cfg.dtype
+        self.input_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
+        self.attn = Attention(cfg, layer, rngs=rngs)
+        self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation, dtype=dtype, rngs=rngs)
+        if cfg.use_sandwich_norms:
+            self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
+            self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
+        self.sandwich = cfg.use_sandwich_norms
+
+    def __call__(self, x: Array, kv_pages: Array, batch: RaggedBatch, numerics: str) -> tuple[Array, Array]:
+        attn_out, kv_pages = self.attn(self.input_norm(x), kv_pages, batch, numerics)
+        if self.sandwich:
+            attn_out = self.post_attn_norm(attn_out)
+        x = x + attn_out
+        mlp_out = self.mlp(self.pre_mlp_norm(x), numerics)
+        if self.sandwich:
+            mlp_out = self.post_mlp_norm(mlp_out)
+        return x + mlp_out, kv_pages
+
+
+class Decoder(nnx.Module):
+    """Embeddings, the layer stack, the final norm and the (tied or separate) LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.dtype, scale=0.02))
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(_init(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.dtype))
+        self.tied = cfg.tie_word_embeddings
+        self.embedding_multiplier = cfg.embedding_multiplier
+        self.final_logit_softcap = cfg.final_logit_softcap
+
+    def __call__(
+        self,
+        kv_pages: Float[Array, "layers pages page_size kv2 dim"],
+        batch: RaggedBatch,
+        numerics: str = "fast",
+    ) -> tuple[Float[Array, "tokens hidden"], Float[Array, "layers pages page_size kv2 dim"]]:
+        x = jnp.take(self.embed.value, batch.token_ids, axis=0)
+        if self.embedding_multiplier != 1.0:
+            x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
+        for layer in self.layers:
+            x, kv_pages = layer(x, kv_pages, batch, numerics)
+        return self.final_norm(x), kv_pages
+
+    def logits(self, hidden: Float[Array, "rows hidden"], numerics: str = "fast") -> Float[Array, "rows vocab"]:
+        kernel = self.embed.value.T if self.tied else self.lm_head.value
+        logits = dense(hidden, kernel, numerics).astype(jnp.float32)
+        if self.final_logit_softcap:
+            cap = self.final_logit_softcap
+            logits = jnp.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,191 @@
+"""GGUF files (llama and gemma3 architectures) into a `ModelConfig` and flat parameter arrays.
+
+Reads metadata and tensors with the `gguf` package, dequantises every supported tensor type to
+float32, undoes the Q/K row permutation that GGUF conversion applies to llama models, and maps
+tensor names onto agentjax's parameter names. Host only: never imports jax.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agentjax.config import ModelConfig, RopeScaling
+from agentjax.errors import ModelLoadError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# Gemma-3 alternates five sliding-window layers with one global layer.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_norm.weight",
+    "attn_q": "attn.q_proj.kernel",
+    "attn_k": "attn.k_proj.kernel",
+    "attn_v": "attn.v_proj.kernel",
+    "attn_output": "attn.o_proj.kernel",
+    "attn_q_norm": "attn.q_norm.weight",
+    "attn_k_norm": "attn.k_norm.weight",
+    "post_attention_norm": "post_attn_norm.weight",
+    "ffn_norm": "pre_mlp_norm.weight",
+    "ffn_gate": "mlp.gate_proj.kernel",
+    "ffn_up": "mlp.up_proj.kernel",
+    "ffn_down": "mlp.down_proj.kernel",
+    "post_ffw_norm": "post_mlp_norm.weight",
+}
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A `gguf.GGUFReader` over the file, with a clear error when it is missing or malformed."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def metadata(reader: Any) -> dict[str, Any]:
+    """All scalar and short metadata fields (token lists are left out)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in ("tokens", "scores", "token_type", "merges"):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # some field layouts cannot be decoded; they are not needed
+            continue
+    return out
+
+
+def config_from_metadata(meta: dict[str, Any], name: str = "model") -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    num_layers = int(get("block_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads)
+    scaling = None
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"unsupported RoPE scaling {scaling_type!r}; supported: linear")
+    common = dict(
+        architecture=arch,
+        vocab_size=0,  # filled from the embedding table
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10_000.0)),
+        rope_scaling=scaling,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(x for x in [meta.get("tokenizer.ggml.eos_token_id")] if x is not None),
+        name=name,
+    )
+    if arch == "gemma3":
+        window = int(get("attention.sliding_window"))
+        layer_types = tuple(
+            "full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+            for i in range(num_layers)
+        )
+        return ModelConfig(
+            **common,
+            local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+            sliding_window=window,
+            layer_types=layer_types,
+            hidden_activation="gelu_tanh",
+            embedding_multiplier=math.sqrt(hidden),
+            use_qk_norm=True,
+            use_sandwich_norms=True,
+        )
+    return ModelConfig(**common)
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo GGUF's llama Q/K row permutation ([out, in] rows: interleaved pairs back to halves)."""
+    out_features = weight.shape[0]
+    head_dim = out_features // num_heads
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def dequantize(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32 in numpy's row-major order (GGUF's dims reversed)."""
+    import gguf
+
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TENSOR_TYPES:
+        raise UnsupportedModelError(
+            f"tensor {tensor.name} has unsupported type {type_name}; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return np.ascontiguousarray(array.reshape(shape), dtype=np.float32)
+
+
+def param_name(gguf_name: str) -> str | None:
+    """agentjax's parameter name for a GGUF tensor name, or None if it has no role."""
+    if gguf_name == "token_embd.weight":
+        return "embed"
+    if gguf_name == "output_norm.weight":
+        return "final_norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_TENSORS:
+        return f"layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:
+    """`(config, flat float32 arrays, reader)`; the reader serves the tokenizer."""
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    cfg = config_from_metadata(meta, name=Path(path).stem)
+    arrays: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = param_name(tensor.name)
+        if name is None:
+            if tensor.name == "rope_freqs.weight":
+                raise UnsupportedModelError(f"{path}: per-frequency RoPE factors (rope_freqs) are not supported")
+            logger.warning("ignoring GGUF tensor %s", tensor.name)
+            continue
+        array = dequantize(tensor)
+        if name.endswith("kernel") or name == "lm_head":
+            if cfg.architecture == "llama" and name.endswith(("q_proj.kernel", "k_proj.kernel")):
+                heads = cfg.num_heads if name.endswith("q_proj.kernel") else cfg.num_kv_heads
+                array = unpermute_qk(array, heads)
+            array = np.ascontiguousarray(array.T)  # [out, in] -> [in, out]
+        arrays[name] = array
+    if "embed" not in arrays:
+        raise ModelLoadError(f"{path} has no token_embd.weight tensor")
+    cfg = cfg.replace(vocab_size=arrays["embed"].shape[0], tie_word_embeddings="lm_head" not in arrays)
+    return cfg, arrays, reader

@@ -1,0 +1,119 @@
+"""An independent float64 numpy forward for llama and gemma3 GGUF files (test oracle only).
+
+It reads tensors straight from the GGUF file and uses GGUF's own RoPE conventions (interleaved
+pairs for llama, halves for gemma3), so it also checks agentjax's Q/K un-permutation.
+"""
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+
+
+def _tensors(reader) -> dict[str, np.ndarray]:
+    out = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        out[t.name] = np.asarray(arr, np.float64).reshape(tuple(int(d) for d in reversed(t.shape)))
+    return out
+
+
+def _field(reader, key):
+    return reader.fields[key].contents()
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope_interleaved(x, pos, theta):
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d, 2) / d)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * cos - x1 * sin
+    out[..., 1::2] = x0 * sin + x1 * cos
+    return out
+
+
+def _rope_halves(x, pos, theta):
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d, 2) / d)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x0, x1 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+
+
+def _attention(q, k, v, scale, window):
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    k = np.repeat(k, hq // hk, axis=1)
+    v = np.repeat(v, hq // hk, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) * scale
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask &= j > i - window
+    scores = np.where(mask[None], scores, -np.inf)
+    scores -= scores.max(-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def reference_logits(reader, token_ids, sliding=True) -> np.ndarray:
+    """Logits at every position, float64. `sliding=False` gives gemma3 full attention everywhere."""
+    arch = _field(reader, "general.architecture")
+    W = _tensors(reader)
+    n_layers = int(_field(reader, f"{arch}.block_count"))
+    hq = int(_field(reader, f"{arch}.attention.head_count"))
+    hk = int(_field(reader, f"{arch}.attention.head_count_kv"))
+    eps = float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon"))
+    theta = float(_field(reader, f"{arch}.rope.freq_base"))
+    tokens = np.asarray(token_ids)
+    pos = np.arange(len(tokens), dtype=np.float64)
+    x = W["token_embd.weight"][tokens]
+    hidden = x.shape[1]
+    gemma = arch == "gemma3"
+    if gemma:
+        x = x * math.sqrt(hidden)
+        window_size = int(_field(reader, f"{arch}.attention.sliding_window"))
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        h = _rms(x, W[p + "attn_norm.weight"], eps)
+        q = (h @ W[p + "attn_q.weight"].T).reshape(len(tokens), hq, -1)
+        k = (h @ W[p + "attn_k.weight"].T).reshape(len(tokens), hk, -1)
+        v = (h @ W[p + "attn_v.weight"].T).reshape(len(tokens), hk, -1)
+        d = q.shape[-1]
+        if gemma:
+            is_global = (i + 1) % 6 == 0
+            q = _rms(q, W[p + "attn_q_norm.weight"], eps)
+            k = _rms(k, W[p + "attn_k_norm.weight"], eps)
+            layer_theta = theta if is_global else 10_000.0
+            q, k = _rope_halves(q, pos, layer_theta), _rope_halves(k, pos, layer_theta)
+            window = None if (is_global or not sliding) else window_size
+        else:
+            q, k = _rope_interleaved(q, pos, theta), _rope_interleaved(k, pos, theta)
+            window = None
+        attn = _attention(q, k, v, d**-0.5, window).reshape(len(tokens), -1) @ W[p + "attn_output.weight"].T
+        if gemma:
+            attn = _rms(attn, W[p + "post_attention_norm.weight"], eps)
+        x = x + attn
+        h = _rms(x, W[p + "ffn_norm.weight"], eps)
+        gate = h @ W[p + "ffn_gate.weight"].T
+        act = _gelu_tanh(gate) if gemma else gate / (1 + np.exp(-gate))
+        mlp = (act * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
+        if gemma:
+            mlp = _rms(mlp, W[p + "post_ffw_norm.weight"], eps)
+        x = x + mlp
+    x = _rms(x, W["output_norm.weight"], eps)
+    head = W.get("output.weight", W["token_embd.weight"])
+    return x @ head.T
