@@ -211,6 +211,15 @@ class BlockPool:
             self.events.append(BlockStored(block_hash, parent, tokens or (), group))
         return True
 
+    def evict(self, page: int) -> bool:
+        """Make a cached page unhittable now (an operator reset, or a tier that moved it); False if
+        it held no hash. The page itself stays with its owners or in the free queue."""
+        self.version += 1
+        if self.page_hash[page] is None:
+            return False
+        self._evict(page)
+        return True
+
     def _evict(self, page: int) -> None:
         block_hash = self.page_hash[page]
         group = int(self.page_group[page])

@@ -202,9 +202,6 @@ class KVCacheManager:
             raise InvalidRequestError(
                 f"num_computed_tokens={num_computed_tokens} outside [0, {request.tokens.size}] for {req_id!r}")
         request.num_computed = max(request.num_computed, num_computed_tokens)
-        released: list[int] = []
-        for group, table in zip(self.groups, request.tables):
-            released += group.pages_out_of_window(table, num_computed_tokens)
         if self.enable_caching:
             self._extend_hashes(request, num_computed_tokens)
             for group, table in zip(self.groups, request.tables):
@@ -213,6 +210,9 @@ class KVCacheManager:
                     self._save_checkpoint(group, table, keys, num_computed_tokens)
                 else:
                     group.cache_full_pages(table, keys, num_computed_tokens, request.tokens_of_page(group))
+        released: list[int] = []
+        for group, table in zip(self.groups, request.tables):
+            released += group.pages_out_of_window(table, request.num_computed)
         if released:
             self.pool.release(np.asarray(released, dtype=np.int64))
 
