@@ -1,0 +1,67 @@
+"""The device side of the engine: parameters, the KV pages, and the compiled step per shape.
+
+`ModelRunner.execute(rows, sampling)` pads the rows into a `RaggedBatch`, runs the jitted sampling
+step (the KV pages are donated and replaced by the returned buffer) and returns one token per row.
+It records every compiled shape, so tests and benchmarks can check that steady state never
+recompiles.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from agentjax.config import ModelConfig
+from agentjax.runner.batch import RaggedBatch
+from agentjax.runner.sampler import SamplingMetadata
+from agentjax.runner.step import make_sampling_step
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns params and KV pages; runs one ragged batch per call."""
+
+    def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast"):
+        self.cfg = cfg
+        self.params = params
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.numerics = numerics
+        self.kv_pages = cfg.new_kv_pages(num_pages, page_size)
+        self._steps = {
+            True: make_sampling_step(cfg, numerics, greedy_only=True),
+            False: make_sampling_step(cfg, numerics, greedy_only=False),
+        }
+        self.compiled_shapes: set[tuple] = set()
+
+    def execute(
+        self,
+        rows: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        sampling: Sequence[tuple[float, int, float, int, int]],
+    ) -> np.ndarray:
+        """Run rows of `(new_tokens, num_computed, page_table)`; `sampling` per row is
+        `(temperature, top_k, top_p, seed, num_generated)`. Returns a token per row."""
+        batch = RaggedBatch.build(rows, self.page_size)
+        num_rows = batch.num_seqs
+        greedy_only = all(s[0] == 0.0 for s in sampling)
+        meta = SamplingMetadata.greedy(num_rows)
+        if not greedy_only:
+            for row, (temperature, top_k, top_p, seed, generated) in enumerate(sampling):
+                meta.temperature[row] = temperature
+                meta.top_k[row] = top_k
+                meta.top_p[row] = top_p
+                meta.seeds[row] = seed
+                meta.num_generated[row] = generated
+        key = (*batch.shape_key(), greedy_only)
+        if key not in self.compiled_shapes:
+            logger.debug("compiling step for shape %s", key)
+            self.compiled_shapes.add(key)
+        tokens, self.kv_pages = self._steps[greedy_only](self.params, self.kv_pages, batch, meta)
+        return np.asarray(jax.device_get(tokens))[: len(rows)]
+
+    def reset_kv(self) -> None:
+        self.kv_pages = self.cfg.new_kv_pages(self.num_pages, self.page_size)
+
