@@ -1,0 +1,415 @@
+"""Agent traces as one stream of sessions and turns, and the token ids a replay sends for a turn.
+
+Loads weka traces (sessions, turns, subagents, 64-token hash ids) and Mooncake FAST'25 JSONL (one
+request a line, 512-token blocks, global hash ids), scales them by `context_scale`, and turns hash ids
+into deterministic, lane-salted prompt token ids. Host only: never imports jax (nor grain, whose
+dataset module imports jax).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from agentjax.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+WEKA_BLOCK_SIZE = 64
+MOONCAKE_BLOCK_SIZE = 512
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MULTIPLIER_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MULTIPLIER_2 = np.uint64(0x94D049BB133111EB)
+_SHIFT_27, _SHIFT_30, _SHIFT_31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a session. `hash_ids[i]` names the content of tokens [i*B, (i+1)*B), B the
+    session's block size; the last block may be cut short by `input_tokens` (Mooncake)."""
+
+    index: int
+    hash_ids: np.ndarray  # int64, one id per (possibly partial) block of the prompt
+    input_tokens: int
+    output_tokens: int
+    think_time_s: float  # tool/user time between the previous turn's end and this turn's send
+    offset_s: float  # recorded send time, seconds from the start of its session
+    request_type: str = "n"  # weka: "n" main request, "s" side request; others use "n"
+    recorded_api_time_s: float | None = None
+
+
+@dataclass
+class Session:
+    """A conversation: its turns in order, and subagent sessions forked from it."""
+
+    session_id: str
+    turns: list[Turn]
+    block_size: int
+    hash_scope: str  # equal (scope, hash id) means equal content; subagents share the parent's
+    subagents: list[Session] = field(default_factory=list)
+    parent_id: str | None = None
+    fork_turn: int | None = None  # the parent turn after which this subagent starts
+    start_offset_s: float = 0.0  # from the parent's start (root sessions: from the trace start)
+
+
+@dataclass(frozen=True)
+class TokenIdRange:
+    """Prompt token ids lie in [low, vocab_size): low ids are the tokenizer's special tokens."""
+
+    low: int = 256
+    vocab_size: int = 49_152
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low < self.vocab_size:
+            raise InvalidRequestError(
+                f"token id range [{self.low}, {self.vocab_size}) is empty or negative; "
+                "need 0 <= low < vocab_size")
+
+
+def scaled_block_size(block_size: int, context_scale: float) -> int:
+    """A block of `block_size` tokens shrinks to max(1, round(block_size * context_scale))."""
+    if not context_scale > 0:
+        raise InvalidRequestError(f"context_scale={context_scale!r} must be > 0")
+    return max(1, round(block_size * context_scale))
+
+
+def scale_turn_lengths(input_tokens: int, output_tokens: int, block_size: int,
+                       context_scale: float) -> tuple[int, int]:
+    """Scaled (input, output) lengths. Every length shrinks by the block's effective ratio
+    (scaled block / block), so whole blocks stay whole and the input/output mix is kept."""
+    new_block = scaled_block_size(block_size, context_scale)
+    ratio = new_block / block_size
+    full_blocks, remainder = divmod(input_tokens, block_size)
+    scaled_input = max(1, full_blocks * new_block + round(remainder * ratio))
+    scaled_output = max(1, round(output_tokens * ratio))
+    return scaled_input, scaled_output
+
+
+def scale_session(session: Session, original_block_size: int, context_scale: float) -> Session:
+    """Shrinks a session and its subagents in place by `context_scale`; returns it."""
+    if context_scale == 1.0:
+        return session
+    turns = []
+    for turn in session.turns:
+        scaled_input, scaled_output = scale_turn_lengths(
+            turn.input_tokens, turn.output_tokens, original_block_size, context_scale)
+        turns.append(Turn(turn.index, turn.hash_ids, scaled_input, scaled_output,
+                          turn.think_time_s, turn.offset_s, turn.request_type,
+                          turn.recorded_api_time_s))
+    session.turns = turns
+    session.block_size = scaled_block_size(original_block_size, context_scale)
+    session.subagents = [scale_session(sub, original_block_size, context_scale)
+                         for sub in session.subagents]
+    return session
+
+
+# ---------------------------------------------------------------- weka traces (agentx-dev)
+
+def _weka_turns(requests: Sequence[dict], source: str) -> list[Turn]:
+    turns = []
+    for request in requests:
+        try:
+            api_time = request.get("api_time")
+            turns.append(Turn(
+                index=len(turns),
+                hash_ids=np.asarray(request["hash_ids"], dtype=np.int64),
+                input_tokens=int(request["in"]),
+                output_tokens=int(request["out"]),
+                think_time_s=float(request.get("think_time") or 0.0),
+                offset_s=float(request["t"]),
+                request_type=str(request["type"]),
+                recorded_api_time_s=None if api_time is None else float(api_time)))
+        except (KeyError, TypeError, ValueError) as error:
+            raise InvalidRequestError(
+                f"{source}: request {len(turns)} is not a weka request ({error!r})") from error
+    return turns
+
+
+def parse_weka_trace(trace: dict, source: str = "<trace>", context_scale: float = 1.0) -> Session:
+    """One weka trace object -> a root Session whose subagents fork at their recorded time."""
+    trace_id = str(trace.get("id", source))
+    block_size = int(trace.get("block_size", WEKA_BLOCK_SIZE))
+    scope = f"weka:{trace_id}"
+    main_requests = [r for r in trace["requests"] if r.get("type") != "subagent"]
+    session = Session(trace_id, _weka_turns(main_requests, source), block_size, scope)
+    main_offsets = [turn.offset_s for turn in session.turns]
+    for entry in trace["requests"]:
+        if entry.get("type") != "subagent":
+            continue
+        start = float(entry["t"])
+        fork_turn = max(0, int(np.searchsorted(main_offsets, start, side="right")) - 1)
+        session.subagents.append(Session(
+            session_id=f"{trace_id}/{entry.get('agent_id', len(session.subagents))}",
+            turns=_weka_turns(entry["requests"], source), block_size=block_size,
+            hash_scope=scope, parent_id=trace_id, fork_turn=fork_turn, start_offset_s=start))
+    return scale_session(session, block_size, context_scale)
+
+
+def load_weka_trace_file(path: str | Path, context_scale: float = 1.0) -> Session:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as file:
+        trace = json.loads(file.read())
+    return parse_weka_trace(trace, source=str(path), context_scale=context_scale)
+
+
+def load_weka_traces(directory: str | Path, context_scale: float = 1.0) -> list[Session]:
+    """Every `*.json.gz` / `*.json` weka trace in `directory`, one root session each, by name."""
+    directory = Path(directory)
+    paths = sorted(directory.glob("*.json.gz")) + sorted(directory.glob("*.json"))
+    if not paths:
+        raise InvalidRequestError(f"no weka traces (*.json.gz, *.json) in {directory}")
+    sessions = [load_weka_trace_file(path, context_scale) for path in paths]
+    logger.info("loaded %d weka sessions from %s", len(sessions), directory)
+    return sessions
+
+
+# ---------------------------------------------------------------- Mooncake FAST'25 JSONL
+
+def load_mooncake_jsonl(path: str | Path, context_scale: float = 1.0) -> list[Session]:
+    """One single-turn session per line; `timestamp` (ms) becomes the session's start offset.
+    Hash ids are global across the file, so every session shares one hash scope."""
+    path = Path(path)
+    scope = f"mooncake:{path.name}"
+    sessions = []
+    with open(path, encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                input_tokens = int(record["input_length"])
+                turn = Turn(index=0, hash_ids=np.asarray(record["hash_ids"], dtype=np.int64),
+                            input_tokens=input_tokens, output_tokens=int(record["output_length"]),
+                            think_time_s=0.0, offset_s=0.0)
+                start = float(record["timestamp"]) / 1000.0
+            except (KeyError, TypeError, ValueError) as error:
+                raise InvalidRequestError(
+                    f"{path}:{line_number}: not a Mooncake request line ({error!r})") from error
+            if len(turn.hash_ids) < input_tokens // MOONCAKE_BLOCK_SIZE:
+                raise InvalidRequestError(
+                    f"{path}:{line_number}: {len(turn.hash_ids)} hash ids cannot cover "
+                    f"input_length={input_tokens} in {MOONCAKE_BLOCK_SIZE}-token blocks")
+            session = Session(f"{path.stem}:{line_number}", [turn], MOONCAKE_BLOCK_SIZE, scope,
+                              start_offset_s=start)
+            sessions.append(scale_session(session, MOONCAKE_BLOCK_SIZE, context_scale))
+    logger.info("loaded %d Mooncake requests from %s", len(sessions), path)
+    return sessions
+
+
+# ---------------------------------------------------------------- walking the stream
+
+def iter_turns_in_time_order(session: Session) -> Iterator[tuple[Session, Turn, float]]:
+    """(session, turn, seconds from the root's start) for a session and its subagents, by
+    recorded send time; on a tie the parent's turn comes first."""
+    entries = []
+
+    def collect(node: Session, node_start: float, depth: int) -> None:
+        for turn in node.turns:
+            entries.append((node_start + turn.offset_s, depth, len(entries), node, turn))
+        for sub in node.subagents:
+            collect(sub, node_start + sub.start_offset_s, depth + 1)
+
+    collect(session, 0.0, 0)
+    entries.sort(key=lambda entry: entry[:3])
+    for offset, _, _, node, turn in entries:
+        yield node, turn, offset
+
+
+def iter_all_sessions(sessions: Sequence[Session]) -> Iterator[Session]:
+    """Every session, each followed by its subagents (depth first)."""
+    for session in sessions:
+        yield session
+        yield from iter_all_sessions(session.subagents)
+
+
+# ---------------------------------------------------------------- token ids from hash ids
+
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser over a uint64 array (array arithmetic wraps without warning)."""
+    z = values + _GOLDEN_GAMMA
+    z = (z ^ (z >> _SHIFT_30)) * _MULTIPLIER_1
+    z = (z ^ (z >> _SHIFT_27)) * _MULTIPLIER_2
+    return z ^ (z >> _SHIFT_31)
+
+
+def stable_key(*parts: object) -> int:
+    """A 64-bit key from the parts' text, equal across processes (never Python's `hash`)."""
+    text = "\x1f".join(str(part) for part in parts).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def _counter_tokens(keys: np.ndarray, length: int, token_range: TokenIdRange) -> np.ndarray:
+    """A (len(keys), length) array of ids in the range: token j of row k is mix(key_k + j*gamma)."""
+    with np.errstate(over="ignore"):
+        counters = keys[:, None] + np.arange(1, length + 1, dtype=np.uint64)[None, :] * _GOLDEN_GAMMA
+    span = np.uint64(token_range.vocab_size - token_range.low)
+    return (_splitmix64(counters) % span).astype(np.int64) + token_range.low
+
+
+def prompt_token_ids(session: Session, turn: Turn, lane_salt: int | str = 0,
+                     token_range: TokenIdRange = TokenIdRange()) -> np.ndarray:
+    """The turn's prompt, `turn.input_tokens` int32 ids. Equal (scope, lane salt, hash id) give an
+    equal block; tokens past the hash ids are fresh, keyed by (lane salt, session, turn)."""
+    block_size = session.block_size
+    covered_blocks = min(len(turn.hash_ids), -(-turn.input_tokens // block_size))
+    lane_key = np.uint64(stable_key(session.hash_scope, lane_salt))
+    with np.errstate(over="ignore"):
+        block_keys = _splitmix64(lane_key ^ _splitmix64(
+            turn.hash_ids[:covered_blocks].astype(np.uint64)))
+    prompt = _counter_tokens(block_keys, block_size, token_range).reshape(-1)[:turn.input_tokens]
+    missing = turn.input_tokens - len(prompt)
+    if missing > 0:
+        tail_key = np.array([stable_key(session.hash_scope, lane_salt, session.session_id,
+                                        turn.index, "tail")], dtype=np.uint64)
+        prompt = np.concatenate([prompt, _counter_tokens(tail_key, missing, token_range)[0]])
+    return prompt.astype(np.int32)
+
+
+# ---------------------------------------------------------------- a cache that never evicts
+
+def _prefix_keys(scope_key: int, hash_ids: np.ndarray, start: int = 0,
+                 start_key: int = 0) -> np.ndarray:
+    """Key i names the block prefix hash_ids[:i+1] at its positions (a wrapping sum of mixes);
+    computes keys from `start` on, given the key of hash_ids[:start] (0 for the empty prefix)."""
+    # Two odd multipliers keep (id, position) pairs apart before the mix.
+    positions = np.arange(start, len(hash_ids), dtype=np.uint64) * _MULTIPLIER_1
+    mixed = _splitmix64((hash_ids[start:].astype(np.uint64) + np.uint64(scope_key))
+                        * _GOLDEN_GAMMA + positions)
+    mixed[:1] += np.uint64(start_key)
+    return np.cumsum(mixed, dtype=np.uint64)
+
+
+def _view_base(hash_ids: np.ndarray) -> np.ndarray | None:
+    """The 1-D array `hash_ids` is a leading slice of, if any (the generator's turns are)."""
+    base = hash_ids.base
+    if (isinstance(base, np.ndarray) and base.ndim == 1 and len(hash_ids)
+            and base.dtype == hash_ids.dtype and base.strides == hash_ids.strides
+            and np.may_share_memory(base[:1], hash_ids[:1])):  # one first element: same start
+        return base
+    return None
+
+
+class _PrefixKeyMemo:
+    """Prefix keys of a session's previous turn, reused for the ids a new turn shares with it."""
+
+    def __init__(self, scope_key: int) -> None:
+        self.scope_key = scope_key
+        self.hash_ids = np.zeros(0, dtype=np.int64)
+        self.keys = np.zeros(0, dtype=np.uint64)
+        self.base: np.ndarray | None = None  # the id array the previous turn was a slice of
+
+    def keys_for(self, hash_ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """(prefix keys of hash_ids, how many leading ones the previous turn had too)."""
+        common = min(len(hash_ids), len(self.hash_ids))
+        base = _view_base(hash_ids)
+        if base is not None:
+            if base is not self.base:
+                shared = 0  # the generator's subagents start a new id array
+                self.base, self.base_keys = base, _prefix_keys(self.scope_key, base)
+            else:
+                shared = common  # both turns slice one id array from its start
+            self.hash_ids, self.keys = hash_ids, self.base_keys[:len(hash_ids)]
+            return self.keys, shared
+        mismatches = np.flatnonzero(hash_ids[:common] != self.hash_ids[:common])
+        shared = int(mismatches[0]) if len(mismatches) else common
+        start_key = int(self.keys[shared - 1]) if shared else 0
+        self.keys = np.concatenate([self.keys[:shared], _prefix_keys(
+            self.scope_key, hash_ids, shared, start_key)])
+        self.hash_ids, self.base = hash_ids, None
+        return self.keys, shared
+
+
+def infinite_cache_hit_rate(sessions: Sequence[Session]) -> float:
+    """Share of input tokens a prefix cache that never evicts would serve: per request, the
+    longest prefix of whole blocks seen before (in its hash scope), replayed in time order."""
+    roots_left_per_scope = Counter(session.hash_scope for session in sessions)
+    seen_per_scope: dict[str, set[int]] = {}
+    hit_tokens = 0
+    input_tokens = 0
+    for root in sessions:
+        memos: dict[int, _PrefixKeyMemo] = {}
+        for session, turn, _ in iter_turns_in_time_order(root):
+            seen = seen_per_scope.setdefault(session.hash_scope, set())
+            memo = memos.get(id(session))
+            if memo is None:
+                memo = memos[id(session)] = _PrefixKeyMemo(stable_key(session.hash_scope))
+            keys, shared_with_previous_turn = memo.keys_for(turn.hash_ids)
+            # Every prefix of a seen prefix was seen too, so the hits are a binary search away;
+            # the previous turn of this session left all its prefixes in the cache.
+            low, high = shared_with_previous_turn, len(keys)
+            if low < high and int(keys[low]) not in seen:
+                high = low  # the usual case: the first block past the previous turn is new
+            while low < high:
+                middle = (low + high + 1) // 2
+                if int(keys[middle - 1]) in seen:
+                    low = middle
+                else:
+                    high = middle - 1
+            hit_tokens += min(low * session.block_size, turn.input_tokens)
+            input_tokens += turn.input_tokens
+            seen.update(keys[low:].tolist())
+        roots_left_per_scope[root.hash_scope] -= 1
+        if roots_left_per_scope[root.hash_scope] == 0:  # a scope no later root can hit
+            seen_per_scope.pop(root.hash_scope, None)
+    return hit_tokens / input_tokens if input_tokens else 0.0
+
+
+# ---------------------------------------------------------------- statistics of a stream
+
+@dataclass(frozen=True)
+class TraceStatistics:
+    """The figures quoted in shared/traces/README.md and MISSION.md, for any loaded stream."""
+
+    num_sessions: int
+    num_requests: int  # every turn, subagents' included
+    main_turns_median: float  # turns of root sessions
+    main_turns_p90: float  # the 90% order statistic, sorted[int(0.9 n)]
+    input_tokens_median: float  # over every request
+    input_tokens_mean: float
+    input_tokens_p90: float
+    input_tokens_max: int
+    output_tokens_median: float
+    output_tokens_mean: float
+    first_turn_input_median: float
+    last_turn_input_median: float
+    think_time_median_s: float  # over every request (a first turn's is 0)
+    subagent_session_share: float  # root sessions with at least one subagent
+    subagents_per_spawning_session_median: float
+    infinite_cache_hit_rate: float
+
+
+def describe_sessions(sessions: Sequence[Session]) -> TraceStatistics:
+    roots = [session for session in sessions if session.turns]
+    if not roots:
+        raise InvalidRequestError("no sessions with turns to describe")
+    all_turns = [turn for session in iter_all_sessions(roots) for turn in session.turns]
+    inputs = np.array([turn.input_tokens for turn in all_turns])
+    outputs = np.array([turn.output_tokens for turn in all_turns])
+    main_turns = sorted(len(session.turns) for session in roots)
+    spawning = [len(session.subagents) for session in roots if session.subagents]
+    return TraceStatistics(
+        num_sessions=len(roots),
+        num_requests=len(all_turns),
+        main_turns_median=float(np.median(main_turns)),
+        main_turns_p90=float(main_turns[math.floor(0.9 * len(main_turns))]),
+        input_tokens_median=float(np.median(inputs)),
+        input_tokens_mean=float(inputs.mean()),
+        input_tokens_p90=float(np.percentile(inputs, 90)),
+        input_tokens_max=int(inputs.max()),
+        output_tokens_median=float(np.median(outputs)),
+        output_tokens_mean=float(outputs.mean()),
+        first_turn_input_median=float(np.median([s.turns[0].input_tokens for s in roots])),
+        last_turn_input_median=float(np.median([s.turns[-1].input_tokens for s in roots])),
+        think_time_median_s=float(np.median([turn.think_time_s for turn in all_turns])),
+        subagent_session_share=len(spawning) / len(roots),
+        subagents_per_spawning_session_median=float(np.median(spawning)) if spawning else 0.0,
+        infinite_cache_hit_rate=infinite_cache_hit_rate(roots))
