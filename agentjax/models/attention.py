@@ -53,7 +53,7 @@ class Attention(nnx.Module):
         k = self.k_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, numerics), self.k_norm(k, numerics)
         inv_freq = rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
         q = apply_rope(q, batch.positions, inv_freq)
         k = apply_rope(k, batch.positions, inv_freq)
@@ -75,5 +75,6 @@ class Attention(nnx.Module):
             slot_mapping=batch.slot_mapping,
             sm_scale=self.sm_scale,
             sliding_window=self.sliding_window,
+            batch_invariant=numerics == "batch_invariant",
         )
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), kv_pages

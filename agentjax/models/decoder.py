@@ -36,13 +36,13 @@ class DecoderLayer(nnx.Module):
         self.sandwich = cfg.use_sandwich_norms
 
     def __call__(self, x: Array, kv_pages: Array, batch: RaggedBatch, numerics: str) -> tuple[Array, Array]:
-        attn_out, kv_pages = self.attn(self.input_norm(x), kv_pages, batch, numerics)
+        attn_out, kv_pages = self.attn(self.input_norm(x, numerics), kv_pages, batch, numerics)
         if self.sandwich:
-            attn_out = self.post_attn_norm(attn_out)
+            attn_out = self.post_attn_norm(attn_out, numerics)
         x = x + attn_out
-        mlp_out = self.mlp(self.pre_mlp_norm(x), numerics)
+        mlp_out = self.mlp(self.pre_mlp_norm(x, numerics), numerics)
         if self.sandwich:
-            mlp_out = self.post_mlp_norm(mlp_out)
+            mlp_out = self.post_mlp_norm(mlp_out, numerics)
         return x + mlp_out, kv_pages
 
 
@@ -65,15 +65,15 @@ class Decoder(nnx.Module):
         batch: RaggedBatch,
         numerics: str = "fast",
     ) -> tuple[Float[Array, "tokens hidden"], Float[Array, "layers pages page_size kv2 dim"]]:
-        x = jnp.take(self.embed.value, batch.token_ids, axis=0)
+        x = jnp.take(self.embed[...], batch.token_ids, axis=0)
         if self.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
         for layer in self.layers:
             x, kv_pages = layer(x, kv_pages, batch, numerics)
-        return self.final_norm(x), kv_pages
+        return self.final_norm(x, numerics), kv_pages
 
     def logits(self, hidden: Float[Array, "rows hidden"], numerics: str = "fast") -> Float[Array, "rows vocab"]:
-        kernel = self.embed.value.T if self.tied else self.lm_head.value
+        kernel = self.embed[...].T if self.tied else self.lm_head[...]
         logits = dense(hidden, kernel, numerics).astype(jnp.float32)
         if self.final_logit_softcap:
             cap = self.final_logit_softcap

@@ -1,8 +1,8 @@
 """Building blocks of the decoder: RMSNorm, the gated MLP, RoPE and the batch-invariant dense.
 
 Each layer is a Flax NNX module whose parameters are plain arrays, so checkpoints can fill them
-by name. `dense` is the one place a matmul happens: in "batch_invariant" numerics it computes
-fixed-size row blocks, so a row's result never depends on how many rows share the batch.
+by name. `dense` is the one place a matmul happens. In "batch_invariant" numerics, matmuls and norms
+run over fixed-size row blocks, so a row's result never depends on how many rows share the batch.
 """
 from __future__ import annotations
 
@@ -14,21 +14,14 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from agentjax.config import RopeScaling
-
-# Rows per block in batch-invariant matmuls. Measured on XLA's CPU backend: a [C, K] @ [K, N]
-# block gives every row bit-identical results whatever the other rows hold, for C in 8..64.
-INVARIANT_ROW_BLOCK = 8
+from pallas_kernels.ragged_paged_attention import map_row_blocks
 
 
 def dense(x: Float[Array, "rows k"], kernel: Float[Array, "k n"], numerics: str) -> Float[Array, "rows n"]:
     """`x @ kernel`; in "batch_invariant" numerics, computed in fixed blocks of rows."""
     if numerics != "batch_invariant":
         return x @ kernel
-    rows, k = x.shape
-    pad = (-rows) % INVARIANT_ROW_BLOCK
-    blocks = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, INVARIANT_ROW_BLOCK, k)
-    out = jax.lax.map(lambda block: block @ kernel, blocks)
-    return out.reshape(-1, kernel.shape[1])[:rows]
+    return map_row_blocks(lambda block: block @ kernel, x)
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: str, scale: float | None = None) -> Array:
@@ -43,7 +36,7 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(_init(rngs, (in_features, out_features), dtype))
 
     def __call__(self, x: Array, numerics: str = "fast") -> Array:
-        return dense(x, self.kernel.value, numerics)
+        return dense(x, self.kernel[...], numerics)
 
 
 class RMSNorm(nnx.Module):
@@ -53,10 +46,16 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: Array) -> Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight.value.astype(jnp.float32)).astype(x.dtype)
+    def __call__(self, x: Array, numerics: str = "fast") -> Array:
+        weight = self.weight[...].astype(jnp.float32)
+
+        def normalize(rows: Array) -> Array:
+            x32 = rows.astype(jnp.float32)
+            normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            return (normed * weight).astype(rows.dtype)
+
+        # The mean is a reduction whose order XLA picks by row count; fixed blocks pin it.
+        return map_row_blocks(normalize, x) if numerics == "batch_invariant" else normalize(x)
 
 
 class GatedMLP(nnx.Module):

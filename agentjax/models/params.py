@@ -41,9 +41,9 @@ def params_from_arrays(cfg: ModelConfig, arrays: Mapping[str, np.ndarray]) -> nn
             missing.append(name)
             continue
         array = arrays[name]
-        if tuple(array.shape) != tuple(variable.value.shape):
+        if tuple(array.shape) != tuple(variable.get_value().shape):
             raise ModelLoadError(
-                f"parameter {name} has shape {tuple(array.shape)}, the model expects {tuple(variable.value.shape)}"
+                f"parameter {name} has shape {tuple(array.shape)}, the model expects {tuple(variable.get_value().shape)}"
             )
         flat.append((path, variable.replace(value=jnp.asarray(array, dtype=cfg.dtype))))
     if missing:
@@ -56,7 +56,7 @@ def params_from_arrays(cfg: ModelConfig, arrays: Mapping[str, np.ndarray]) -> nn
 
 def arrays_from_params(params: nnx.State) -> dict[str, np.ndarray]:
     """The inverse of `params_from_arrays`: flat names to host numpy arrays."""
-    return {_name(path): np.asarray(jax.device_get(var.value)) for path, var in nnx.to_flat_state(params)}
+    return {_name(path): np.asarray(jax.device_get(var.get_value())) for path, var in nnx.to_flat_state(params)}
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> nnx.State:
