@@ -158,7 +158,7 @@ class BlockPool:
 
     # -- mutations -----------------------------------------------------------------------------
     def touch(self, pages: np.ndarray) -> None:
-        """Take a reference on distinct cached pages (a prefix hit)."""
+        """Take a reference on each of the distinct cached `pages` (a prefix hit)."""
         self.version += 1
         if len(pages) == 0:
             return
@@ -183,7 +183,7 @@ class BlockPool:
         return pages
 
     def release(self, pages: np.ndarray) -> None:
-        """Drop one reference on each page; `pages` lists the first to be evicted first."""
+        """Drop one reference on each of the distinct `pages`, which list the first to be evicted first."""
         self.version += 1
         if len(pages) == 0:
             return

@@ -269,9 +269,9 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int, int]]:
         """(group, source page, destination page) copies the device must run before the next step."""
         copies, self._pending_copies = self._pending_copies, []
-        if self._pending_copy_sources:
-            self.pool.release(np.asarray(self._pending_copy_sources, dtype=np.int64))
-            self._pending_copy_sources = []
+        for source in self._pending_copy_sources:  # one at a time: several requests may share a source
+            self.pool.release(np.asarray([source], dtype=np.int64))
+        self._pending_copy_sources = []
         return copies
 
     def take_events(self):
