@@ -86,15 +86,20 @@ class GroupManager:
 class PrefixGroup(GroupManager):
     """Full attention, MLA latent, compressed latent, indexer keys: every earlier token is needed."""
 
+    _last_run: tuple | None = None
+
     def cached_run(self, keys: list[BlockHash], max_pages: int) -> list[int]:
-        index = self.index
-        run: list[int] = []
-        for key in keys[:max_pages]:
-            page = index.get(key)
-            if page is None:
-                break
-            run.append(page)
-        return run
+        """Pages of the leading cached keys (dict lookups in C via map; remembered for reuse)."""
+        last = self._last_run
+        if last is not None and last[0] is keys and last[1] == self.pool.version and len(last[2]) >= max_pages:
+            return last[2][:max_pages]
+        run = list(map(self.index.get, keys[:max_pages] if max_pages < len(keys) else keys))
+        try:
+            del run[run.index(None):]
+        except ValueError:
+            pass
+        self._last_run = (keys, self.pool.version, run)
+        return run if len(run) <= max_pages else run[:max_pages]
 
     def find_hit(self, keys: list[BlockHash], limit: int, cap: int) -> int:
         size = self.tokens_per_page
