@@ -204,10 +204,8 @@ def plan_groups(layer_specs: Sequence[KVSpec], block_size: int, scale_tokens_per
                 raise InvalidRequestError(
                     f"{spec.kind} requires {spec.required_page_tokens} tokens per page, which is not a "
                     f"multiple of block_size={block_size} and ratio={spec.tokens_per_entry}")
-            candidate = len(layers) * spec.bytes_for_tokens(spec.required_page_tokens)
-            if required and page_bytes and candidate != page_bytes:
-                raise InvalidRequestError(f"required page sizes disagree: {page_bytes} and {candidate} bytes")
-            page_bytes = candidate
+            # Several required sizes: the largest page wins and the other groups pad theirs.
+            page_bytes = max(page_bytes, len(layers) * spec.bytes_for_tokens(spec.required_page_tokens))
     if not required:
         page_bytes = max((len(layers) * spec.bytes_for_tokens(unit(spec)) for spec, layers in scaled), default=0)
     largest_state = max((len(layers) * spec.state_bytes for spec, layers in states), default=0)
