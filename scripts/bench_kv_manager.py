@@ -22,6 +22,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = Path("/work/shared/bench/vllm_baseline")
 SECTION = "## KV cache manager"
+LAYOUT_HEADING = "### Packed KV layout against a per-tensor layout (computed by agentjax.kv.layout, not timed)"
+
+
+def layout_table() -> str:
+    sys.path.insert(0, str(REPO))
+    from agentjax.kv.layout import preset_padding_reports
+
+    lines = [LAYOUT_HEADING, "",
+             "Bytes for one page id of every KV group (`padding_report`): per-tensor = every layer tensor in its own "
+             "buffer, its page padded to the largest layer page of the model (DeepSeek-V4 pages also aligned to 576 B); "
+             "packed = each group's layers back to back in one page of the pool's page size. Page tokens: DeepSeek-V4 "
+             "256, MiniMax-M3 128, Kimi-K3 16 (scaled up by the KDA state).", "",
+             "| preset | payload B | per-tensor B | packed B | saving |", "|---|---|---|---|---|"]
+    for r in preset_padding_reports():
+        lines.append(f"| {r.preset} | {r.payload_bytes:,} | {r.per_tensor_bytes:,} | {r.packed_bytes:,} | "
+                     f"{100 * r.saving:.1f}% |")
+    return "\n".join(lines) + "\n"
 
 
 def run_harness(args: argparse.Namespace) -> list[dict]:
@@ -116,7 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--harness", type=Path, default=HARNESS)
     parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--no-write", action="store_true", help="print the section only")
+    parser.add_argument("--layout-only", action="store_true",
+                        help="only recompute the layout table inside the existing section")
     args = parser.parse_args(argv)
+    if args.layout_only:
+        current = args.benchmarks_md.read_text()
+        start = current.index(SECTION)
+        end = current.find("\n## ", start + len(SECTION))
+        section = current[start:] if end < 0 else current[start:end + 1]
+        kept = section.split(LAYOUT_HEADING)[0].rstrip("\n")
+        write_section(kept + "\n\n" + layout_table(), args.benchmarks_md)
+        print(layout_table())
+        return 0
     if not args.vllm_python.exists():
         sys.exit(f"vLLM venv missing: {args.vllm_python} does not exist. Build it with "
                  f"`bash {HARNESS}/setup.sh` (a few minutes, offline), then rerun.")
@@ -131,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['turn_total_us_mean']:.0f} µs/turn, hit {r['prefix_hit_rate']:.4f}", flush=True)
     rows = summarise(runs, args.concurrency)
     command = "python scripts/bench_kv_manager.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = markdown(rows, args, runs[0][0], command.strip())
+    text = markdown(rows, args, runs[0][0], command.strip()) + "\n" + layout_table()
     print(text)
     if not args.no_write:
         write_section(text, args.benchmarks_md)
