@@ -24,7 +24,7 @@ def _write_gguf(path, arch="llama", tensor_type=gguf.GGMLQuantizationType.F32):
     else:
         # raw bytes of one Q2_K super-block row (256 values per 84 bytes)
         raw = np.zeros((4, 84), np.uint8)
-        writer.add_tensor("token_embd.weight", raw, raw_shape=(4, 256), raw_dtype=tensor_type)
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
