@@ -102,7 +102,15 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        *,
+        session_id: str | None = None,
+        priority: int = 0,
+        hints=None,
+        cache_salt: str | None = None,
     ) -> str:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -153,6 +161,17 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def stats(self) -> dict:
+        total = self.allocator.num_pages - 1
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_total_blocks": total,
+            "kv_free_blocks": self.allocator.num_free,
+            "kv_used_blocks": total - self.allocator.num_free,
+            "kv_usage": (total - self.allocator.num_free) / total,
+        }
 
     # ---- one step -------------------------------------------------------------------------
     def _pages_to_cover(self, request: EngineRequest, num_tokens: int) -> int:
