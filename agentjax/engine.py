@@ -1,7 +1,7 @@
 """The host loop: `add_request`, `step`, `abort`, and a stream of outputs.
 
-Each step picks the tokens to run (decodes first, then prefill chunks under the token budget),
-gives them pages, runs the model once on the ragged batch, and appends the sampled tokens.
+Each step asks the scheduler which tokens run, builds one ragged batch from the KV manager's page
+tables, runs the model once, marks the written pages cacheable, and appends sampled tokens.
 Host state is plain Python; the device sees only the padded metadata arrays.
 """
 from __future__ import annotations
@@ -15,56 +15,17 @@ from dataclasses import dataclass, field
 
 from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
+from agentjax.kv import KVCacheManager
 from agentjax.runner.model_runner import ModelRunner
 from agentjax.sampling_params import SamplingParams
+from agentjax.scheduler.request import AgentHints, Request, RequestState, Session
+from agentjax.scheduler.scheduler import Scheduler, SchedulerOutput
+from agentjax.scheduler.sessions import SessionTable
 
 logger = logging.getLogger(__name__)
 
-
-class PageAllocator:
-    """First-come page allocator over pages 1..num_pages-1 (page 0 is the null page)."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self.free_pages: deque[int] = deque(range(1, num_pages))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_pages)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self.free_pages):
-            raise OutOfPagesError(f"need {count} pages, {len(self.free_pages)} free")
-        return [self.free_pages.popleft() for _ in range(count)]
-
-    def release(self, pages: Sequence[int]) -> None:
-        self.free_pages.extend(pages)
-
-
-@dataclass
-class EngineRequest:
-    """One generation request's host state."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]
-    arrival_time: float = field(default_factory=time.monotonic)
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
-    pages: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    first_token_time: float | None = None
-    seed: int = 0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.prompt_token_ids)
+# Latency samples kept for percentiles (the server exports its own histograms).
+LATENCY_WINDOW = 10_000
 
 
 @dataclass(frozen=True)
@@ -79,6 +40,30 @@ class EngineOutput:
     num_prompt_tokens: int
 
 
+@dataclass
+class EngineMetrics:
+    """Counters and recent latency samples of the engine."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    ttft_s: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    itl_s: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    e2e_s: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as scheduled: `(request_id, num_tokens, is_prefill)` rows, admissions, preemptions."""
+
+    step_index: int
+    rows: tuple[tuple[str, int, bool], ...]
+    admitted: tuple[str, ...]
+    preempted: tuple[str, ...]
+    admissions_allowed: bool
+
+
 class Engine:
     """Serves many requests at once on one model runner."""
 
@@ -88,12 +73,27 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = engine_cfg.max_model_len or model_cfg.max_position_embeddings
         num_pages = engine_cfg.num_kv_blocks or self._pages_for_memory(engine_cfg)
+        self.kv = KVCacheManager.from_model_config(
+            model_cfg, num_pages, engine_cfg.block_size, enable_caching=engine_cfg.enable_prefix_caching
+        )
+        if len(self.kv.plan.groups) != 1:
+            # One page table per batch row for now: treat every layer as one group (exact; the
+            # sliding window is applied by masking, out-of-window pages are simply kept).
+            from agentjax.kv.specs import specs_from_model_config
+
+            self.kv = KVCacheManager.from_specs(
+                specs_from_model_config(model_cfg.replace(layer_types=(), sliding_window=None)),
+                num_pages, engine_cfg.block_size, enable_caching=engine_cfg.enable_prefix_caching,
+                scale_tokens_per_page=False, cache_on_allocate=False,
+            )
         self.runner = ModelRunner(model_cfg, params, num_pages, engine_cfg.block_size, engine_cfg.numerics)
-        self.allocator = PageAllocator(num_pages)
-        self.waiting: deque[EngineRequest] = deque()
-        self.running: list[EngineRequest] = []
-        self.requests: dict[str, EngineRequest] = {}
+        self.scheduler = Scheduler(engine_cfg, self.kv)
+        self.sessions = SessionTable(self.kv)
+        self.requests: dict[str, Request] = {}
+        self.metrics = EngineMetrics()
+        self.step_log: deque[StepRecord] = deque(maxlen=engine_cfg.extra.get("step_log_size", 10_000))
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self.num_steps = 0
 
     def _pages_for_memory(self, cfg: EngineConfig) -> int:
@@ -109,7 +109,7 @@ class Engine:
         *,
         session_id: str | None = None,
         priority: int = 0,
-        hints=None,
+        hints: AgentHints | None = None,
         cache_salt: str | None = None,
     ) -> str:
         prompt = [int(t) for t in prompt_token_ids]
@@ -124,23 +124,30 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_cfg.vocab_size})")
         needed = -(-min(len(prompt) + sampling.max_tokens, self.max_model_len) // self.config.block_size)
-        if needed > self.allocator.num_pages - 1:
+        if needed > self.kv.pool.num_pages - 1:
             raise OutOfPagesError(
-                f"the request needs {needed} KV pages but the pool has {self.allocator.num_pages - 1}; "
+                f"the request needs {needed} KV pages but the pool has {self.kv.pool.num_pages - 1}; "
                 f"raise num_kv_blocks or lower max_tokens"
             )
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if hints is not None:
+            session_id = session_id or hints.session_id
+            priority = hints.priority if hints.priority is not None else priority
         stops = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stops |= set(self._eos_token_ids())
-        request = EngineRequest(
-            request_id, prompt, sampling, frozenset(stops),
+        request = Request(
+            request_id, prompt, sampling, frozenset(stops), session_id=session_id, priority=priority,
+            hints=hints, cache_salt=cache_salt, arrival_index=next(self._arrivals),
             seed=sampling.seed if sampling.seed is not None else (self.config.seed + len(self.requests)) % 2**32,
         )
         self.requests[request_id] = request
-        self.waiting.append(request)
+        if session_id is not None:
+            self.sessions.on_turn_start(session_id, request, hints)
+        self.scheduler.add(request)
+        self.metrics.prompt_tokens_total += len(prompt)
         return request_id
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -149,97 +156,69 @@ class Engine:
         return self.model_cfg.eos_token_ids
 
     def abort(self, request_id: str) -> None:
+        """Stop a request at any moment and release its pages."""
         request = self.requests.pop(request_id, None)
-        if request is None:
+        if request is None or request.is_finished:
             return
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.running:
-            self.running.remove(request)
-        self.allocator.release(request.pages)
-        request.pages = []
+        request.state = RequestState.ABORTED
+        request.finish_reason = "abort"
+        self.scheduler.remove(request)
+        self.metrics.requests_aborted += 1
+
+    def end_session(self, session_id: str) -> None:
+        """Release a session's pins now (the agent said it is done)."""
+        self.sessions.end(session_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def stats(self) -> dict:
-        total = self.allocator.num_pages - 1
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "kv_total_blocks": total,
-            "kv_free_blocks": self.allocator.num_free,
-            "kv_used_blocks": total - self.allocator.num_free,
-            "kv_usage": (total - self.allocator.num_free) / total,
-        }
+        return self.scheduler.has_unfinished()
 
     # ---- one step -------------------------------------------------------------------------
-    def _pages_to_cover(self, request: EngineRequest, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.config.block_size) - len(request.pages))
-
-    def _schedule(self) -> list[tuple[EngineRequest, int]]:
-        """(request, number of new tokens) for this step: decodes, then prefill chunks."""
-        budget = self.config.max_num_batched_tokens
-        chunk_cap = self.config.long_prefill_token_threshold or budget
-        scheduled: list[tuple[EngineRequest, int]] = []
-        for request in self.running:
-            if len(scheduled) >= self.config.max_num_seqs or budget <= 0:
-                break
-            remaining = len(request.all_token_ids) - request.num_computed_tokens
-            count = min(remaining, budget, chunk_cap if request.is_prefilling else remaining)
-            need = self._pages_to_cover(request, request.num_computed_tokens + count)
-            if need > self.allocator.num_free:
-                continue  # waits for pages held by others to free
-            request.pages += self.allocator.allocate(need)
-            scheduled.append((request, count))
-            budget -= count
-        while self.waiting and budget > 0 and len(scheduled) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            count = min(len(request.prompt_token_ids), budget, chunk_cap)
-            need = self._pages_to_cover(request, count)
-            if need > self.allocator.num_free:
-                break
-            self.waiting.popleft()
-            request.pages += self.allocator.allocate(need)
-            self.running.append(request)
-            scheduled.append((request, count))
-            budget -= count
-        return scheduled
-
     def step(self) -> list[EngineOutput]:
-        scheduled = self._schedule()
-        if not scheduled:
-            if self.has_unfinished():
+        plan = self.scheduler.schedule()
+        self._log(plan)
+        if not plan.scheduled:
+            if self.scheduler.running or (self.scheduler.num_waiting and plan.admissions_allowed):
                 raise OutOfPagesError("no request can be scheduled: the KV pool is too small for what waits")
             return []
         rows, sampling = [], []
-        for request, count in scheduled:
+        for item in plan.scheduled:
+            request = item.request
             start = request.num_computed_tokens
-            rows.append((request.all_token_ids[start : start + count], start, request.pages))
+            pages = self.kv.block_ids(request.request_id)[0]
+            rows.append((request.all_token_ids[start : start + item.num_new_tokens], start, pages))
             sp = request.sampling
             sampling.append((sp.temperature, sp.top_k, sp.top_p, request.seed, len(request.output_token_ids)))
         tokens = self.runner.execute(rows, sampling)
         self.num_steps += 1
         now = time.monotonic()
         outputs = []
-        for (request, count), token in zip(scheduled, tokens):
-            request.num_computed_tokens += count
-            if request.num_computed_tokens < len(request.all_token_ids):
+        for item, token in zip(plan.scheduled, tokens):
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(request.request_id, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that is not the last: its sample is discarded
-            request.output_token_ids.append(int(token))
-            request.first_token_time = request.first_token_time or now
-            reason = self._finish_reason(request)
-            if reason:
-                self._finish(request, reason)
-            outputs.append(
-                EngineOutput(
-                    request.request_id, [int(token)], reason is not None, reason,
-                    request.num_cached_tokens, len(request.prompt_token_ids),
-                )
-            )
+            outputs.append(self._append_token(request, int(token), now))
         return outputs
 
-    def _finish_reason(self, request: EngineRequest) -> str | None:
+    def _append_token(self, request: Request, token: int, now: float) -> EngineOutput:
+        request.output_token_ids.append(token)
+        self.metrics.generation_tokens_total += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.ttft_s.append(now - request.arrival_time)
+        else:
+            self.metrics.itl_s.append(now - request.last_token_time)
+        request.last_token_time = now
+        reason = self._finish_reason(request)
+        if reason:
+            self._finish(request, reason, now)
+        return EngineOutput(
+            request.request_id, [token], reason is not None, reason,
+            max(request.num_cached_tokens, 0), len(request.prompt_token_ids),
+        )
+
+    def _finish_reason(self, request: Request) -> str | None:
         sp = request.sampling
         generated = len(request.output_token_ids)
         if generated >= sp.min_tokens and request.output_token_ids[-1] in request.stop_token_ids:
@@ -248,17 +227,54 @@ class Engine:
             text = self.tokenizer.decode(request.output_token_ids)
             if any(stop in text for stop in sp.stop):
                 return "stop"
-        if generated >= sp.max_tokens or len(request.all_token_ids) >= self.max_model_len:
+        if generated >= sp.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _finish(self, request: EngineRequest, reason: str) -> None:
+    def _finish(self, request: Request, reason: str, now: float) -> None:
         request.finish_reason = reason
-        self.running.remove(request)
-        self.allocator.release(request.pages)
-        request.pages = []
+        request.state = RequestState.FINISHED
+        if request.session_id is not None:
+            self.sessions.on_turn_end(request)
+        self.scheduler.remove(request)
         self.requests.pop(request.request_id, None)
+        self.metrics.requests_finished += 1
+        self.metrics.e2e_s.append(now - request.arrival_time)
+
+    def _log(self, plan: SchedulerOutput) -> None:
+        self.step_log.append(
+            StepRecord(
+                plan.step_index,
+                tuple((s.request.request_id, s.num_new_tokens, s.is_prefill) for s in plan.scheduled),
+                tuple(plan.admitted),
+                tuple(plan.preempted),
+                plan.admissions_allowed,
+            )
+        )
 
     def run_until_done(self) -> Iterator[EngineOutput]:
         while self.has_unfinished():
             yield from self.step()
+
+    def stats(self) -> dict:
+        kv = self.kv.stats()
+        total = self.kv.pool.num_pages - 1
+        free = self.kv.num_free_blocks
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_total_blocks": total,
+            "kv_free_blocks": free,
+            "kv_used_blocks": kv.get("used_blocks", total - free),
+            "kv_cached_blocks": kv.get("cached_blocks", 0),
+            "kv_usage": kv.get("used_blocks", total - free) / total,
+            "prefix_query_tokens": kv.get("queries", 0),
+            "prefix_hit_tokens": kv.get("hits", 0),
+            "prompt_tokens_total": self.metrics.prompt_tokens_total,
+            "generation_tokens_total": self.metrics.generation_tokens_total,
+            "requests_finished": self.metrics.requests_finished,
+            "requests_aborted": self.metrics.requests_aborted,
+            "num_steps": self.num_steps,
+            "compiled_shapes": len(self.runner.compiled_shapes),
+        }

@@ -55,8 +55,13 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        session_ids: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids) in one batched run, in prompt order."""
+        """Generate for every prompt (text or token ids) in one batched run, in prompt order.
+
+        `session_ids` (one per prompt) mark turns of agent sessions: a finished turn's pages stay
+        pinned for a while so the session's next turn finds its prefix cached.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sampling_params = sampling_params or SamplingParams()
@@ -67,10 +72,13 @@ class LLM:
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
             )
         encoded = [self._encode(p) for p in prompts]
+        session_ids = list(session_ids) if session_ids is not None else [None] * len(prompts)
+        if len(session_ids) != len(prompts):
+            raise InvalidRequestError(f"got {len(session_ids)} session ids for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, sp in zip(encoded, sampling_params):
-                ids.append(self.engine.add_request(prompt, sp))
+            for prompt, sp, session_id in zip(encoded, sampling_params, session_ids):
+                ids.append(self.engine.add_request(prompt, sp, session_id=session_id))
         except Exception:
             for request_id in ids:
                 self.engine.abort(request_id)
@@ -105,4 +113,4 @@ class LLM:
     ) -> RequestOutput:
         """One assistant reply to `messages`, rendered with the model's chat template."""
         prompt = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
-        return self.generate([prompt], sampling_params)[0]
+        return self.generate([prompt], sampling_params, session_ids=[session_id])[0]
