@@ -1,5 +1,6 @@
-"""The `agentjax` command line: `generate` now; `serve`, `bench`, `sweep` and `router` come next.
+"""The `agentjax` command line: `serve` and `generate` now; `bench`, `sweep` and `router` come next.
 
+    agentjax serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key K] ...
     agentjax generate --prompt "The capital of France is" [--model M] [--max-tokens N]
 """
 from __future__ import annotations
@@ -53,6 +54,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from agentjax.server.launcher import cmd_serve as serve
+
+    return serve(args, _engine_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentjax", description="A JAX serving stack for agentic LLM traffic.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING...)")
@@ -65,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     _add_engine_flags(gen)
     gen.set_defaults(handler=cmd_generate)
+    from agentjax.server.launcher import add_serve_arguments
+
+    srv = sub.add_parser("serve", help="serve the model over the OpenAI HTTP API")
+    _add_engine_flags(srv)
+    add_serve_arguments(srv)
+    srv.set_defaults(handler=cmd_serve)
     return parser
 
 

@@ -1,0 +1,204 @@
+"""The FastAPI app: routes, the auth and body-size guard, and OpenAI-shaped errors.
+
+`create_app(engine, tokenizer, ...)` wraps an `Engine` (or anything with its interface) in an
+`AsyncEngine` whose thread starts and stops with the app's lifespan. Every failure a client can
+cause becomes a 4xx with `{"error": {"message", "type", "param", "code"}}`; nothing it sends
+should produce a 5xx. Never imports jax.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError, TokenizerError
+from agentjax.server.async_engine import AsyncEngine
+from agentjax.server.errors import APIError
+from agentjax.server.metrics import ServerMetrics
+from agentjax.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
+from agentjax.server.serving import OpenAIServing, ServerLimits
+
+logger = logging.getLogger(__name__)
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429)
+}
+
+
+def error_response(status: int, message: str, error_type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": error_type, "param": param, "code": code}},
+                        status_code=status)
+
+
+class RequestGuardMiddleware:
+    """Pure ASGI: bearer-token check on /v1 routes, and a cap on request body bytes (413)."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                          "authentication_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await error_response(400, f"Content-Length {declared.decode(errors='replace')!r} is not a "
+                                     "number")(scope, receive, send)
+                return
+            if int(declared) > self.max_body_bytes:
+                await self._too_large(int(declared))(scope, receive, send)
+                return
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise StarletteHTTPException(413, self._message(received))
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _message(self, size: int) -> str:
+        return (f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes "
+                f"(--max-request-body-bytes)")
+
+    def _too_large(self, size: int) -> JSONResponse:
+        return error_response(413, self._message(size), code="request_too_large")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "the request is invalid", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not location:
+        return f"the request body is invalid: {first.get('msg')}", None
+    param = ".".join(location)
+    message = f"{param}: {first.get('msg')}"
+    if "input" in first and first["type"] not in ("missing",):
+        shown = repr(first["input"])
+        message += f" (got {shown[:80]}{'...' if len(shown) > 80 else ''})"
+    if len(errors) > 1:
+        message += f"; and {len(errors) - 1} more problem(s)"
+    return message, param
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def failed(status: int, *args, **kwargs) -> JSONResponse:
+        metrics.request_errors.labels(status=str(status)).inc()
+        return error_response(status, *args, **kwargs)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return failed(exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return failed(400, message, param=param, code="invalid_request")
+
+    @app.exception_handler(PromptTooLongError)
+    async def prompt_too_long(_: Request, exc: PromptTooLongError):
+        return failed(400, str(exc), param="messages", code="context_length_exceeded")
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError):
+        return failed(400, str(exc), code="invalid_request")
+
+    @app.exception_handler(TokenizerError)
+    async def tokenizer_error(_: Request, exc: TokenizerError):
+        return failed(400, str(exc), param="messages", code="invalid_prompt")
+
+    @app.exception_handler(OutOfPagesError)
+    async def out_of_pages(_: Request, exc: OutOfPagesError):
+        return failed(400, str(exc), param="max_tokens", code="kv_pool_too_small")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return failed(exc.status_code, str(exc.detail), code=code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        logger.exception("unexpected error while serving a request")
+        return failed(500, f"internal error: {type(exc).__name__}", "server_error", code="internal_error")
+
+
+def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: tuple[str, ...] = (),
+               api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
+    """The app; the engine thread runs while the app's lifespan does."""
+    async_engine = AsyncEngine(engine, max_queued_requests=limits.max_queued_requests)
+    metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.num_in_flight)
+    async_engine.on_output = metrics.observe_output
+    serving = OpenAIServing(async_engine, tokenizer, model_name, limits, model_aliases)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        logger.info("serving %s", model_name)
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = FastAPI(title="agentjax", summary="OpenAI-compatible server for agentic LLM traffic",
+                  lifespan=lifespan)
+    started = int(time.time())
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=limits.max_request_body_bytes)
+    _install_error_handlers(app, metrics)
+
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """An assistant reply to `messages` (OpenAI chat completions; `stream` for server-sent events)."""
+        return await serving.chat(body, request)
+
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """A continuation of `prompt` (text, token ids, or a list of either)."""
+        return await serving.completions(body, request)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "agentjax", "max_model_len": async_engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return error_response(503, "the engine thread is not running", "server_error", code="unhealthy")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

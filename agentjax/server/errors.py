@@ -1,0 +1,50 @@
+"""Errors the HTTP layer raises on purpose, each with its status code and OpenAI error type.
+
+They subclass `agentjax.errors.AgentjaxError`, so the same catch-all works everywhere; the
+mapping from engine errors to HTTP statuses lives in `app.py`. Never imports jax.
+"""
+from __future__ import annotations
+
+from agentjax.errors import AgentjaxError
+
+
+class APIError(AgentjaxError):
+    """An error that becomes an OpenAI-style error body with this status."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class ModelNotFoundError(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class RequestTooLargeError(APIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class ServerOverloadedError(APIError):
+    """More requests are queued or running than the server's bound (`--max-queued-requests`)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class EngineFailedError(APIError):
+    """The engine's step raised; the requests in flight at that moment are failed."""
+
+    status_code = 500
+    error_type = "server_error"

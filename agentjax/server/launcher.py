@@ -1,0 +1,132 @@
+"""`agentjax serve`: its flags, and the start-up that loads the model and runs uvicorn.
+
+Binds to 127.0.0.1 unless told otherwise. SIGTERM and Ctrl-C shut down gracefully: uvicorn stops
+accepting, lets running requests finish (up to `--timeout-graceful-shutdown`), stops the engine
+thread, and the process exits with status 0. jax is imported only when `serve` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "AGENTJAX_API_KEY"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `serve` adds to the shared engine flags (`--model`, `--block-size`, ...)."""
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    add("--port", type=int, default=8000)
+    add("--api-key", default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    add("--served-model-name", default=None, help="the model id clients send (default: from --model)")
+    add("--max-model-len", type=int, default=None, help="longest prompt plus output (default: the model's)")
+    add("--max-num-seqs", type=int, default=64, help="requests in one step")
+    add("--prefill-schedule-interval", type=int, default=1, help="steps between prefill admissions")
+    add("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size when --num-kv-blocks is unset")
+    add("--host-cache-gb", type=float, default=0.0, help="host-memory KV offload tier (engine setting)")
+    add("--disk-cache-dir", default=None, help="disk KV offload tier (engine setting)")
+    add("--mooncake-master", default=None, help="Mooncake Store master address (engine setting)")
+    add("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    add("--max-queued-requests", type=int, default=256, help="requests queued or running before 429")
+    add("--max-request-body-bytes", type=int, default=8 * 2**20, help="largest request body (413 beyond)")
+    add("--compilation-cache-dir", default=None,
+        help="persistent XLA compilation cache, so a restart skips recompiling (default: "
+             "$AGENTJAX_CACHE/jax-compile; 'none' turns it off)")
+    add("--timeout-graceful-shutdown", type=float, default=30.0, help="seconds to let requests finish on SIGTERM")
+
+
+def engine_config_from_args(args: argparse.Namespace, base: dict):
+    """An `EngineConfig`; settings it has no field for yet travel in `extra`."""
+    from agentjax.config import EngineConfig
+
+    wanted = dict(base, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  prefill_schedule_interval=args.prefill_schedule_interval,
+                  kv_cache_memory_gb=args.kv_cache_memory_gb, host_cache_gb=args.host_cache_gb,
+                  disk_cache_dir=args.disk_cache_dir, mooncake_master=args.mooncake_master)
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    known = {k: v for k, v in wanted.items() if k in fields}
+    extra = {k: v for k, v in wanted.items() if k not in fields and v not in (None, 0, 0.0)}
+    if extra:
+        logger.warning("engine settings %s are accepted but not used by this engine yet", sorted(extra))
+        known["extra"] = extra
+    return EngineConfig(**known)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model in (None, "default"):
+        return DEFAULT_MODEL_NAME
+    if args.model.startswith("preset:"):
+        return args.model
+    return Path(args.model).stem if Path(args.model).exists() else args.model
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Points jax's persistent compilation cache at `directory` (None: the agentjax cache)."""
+    if directory == "none":
+        return
+    import jax
+
+    from checkpoints.embedded import cache_dir
+
+    path = Path(directory) if directory else cache_dir() / "jax-compile"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        logger.warning("no compilation cache (cannot create %s: %s)", path, exc)
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+
+
+def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
+    import uvicorn
+
+    from agentjax.engine import Engine
+    from agentjax.models import load_model
+    from agentjax.server.app import create_app
+    from agentjax.server.serving import ServerLimits
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("binding to %s without --api-key: anyone who can reach it can use it", args.host)
+    config = engine_config_from_args(args, engine_args)
+    enable_compilation_cache(args.compilation_cache_dir)
+    started = time.perf_counter()
+    model_cfg, params, tokenizer = load_model(args.model)
+    engine = Engine(model_cfg, params, config, tokenizer)
+    name = served_model_name(args)
+    logger.warning("loaded %s in %.1fs; serving it as %r on http://%s:%d", model_cfg.name,
+                   time.perf_counter() - started, name, args.host, args.port)
+    limits = ServerLimits(max_tokens_limit=args.max_tokens_limit, max_request_body_bytes=args.max_request_body_bytes,
+                          max_queued_requests=args.max_queued_requests)
+    aliases = tuple(a for a in (model_cfg.name, args.model) if a)
+    app = create_app(engine, tokenizer, model_name=name, model_aliases=aliases, api_key=args.api_key,
+                     limits=limits)
+    server = graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                           timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+                                           access_log=False))
+    server.run()
+    return 0
+
+
+def graceful_server(config):
+    """uvicorn's server, but a handled SIGTERM ends in exit status 0 rather than being re-raised."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            logger.warning("received signal %d: shutting down gracefully", sig)
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()  # uvicorn would re-raise it after the shutdown
+
+    return GracefulServer(config)

@@ -1,0 +1,199 @@
+"""Pydantic schemas of the OpenAI-compatible HTTP API, plus agentjax's agent hints.
+
+Requests validate here, before anything reaches the engine: a field of the wrong type or out of
+range fails with a message that names it. Unknown top-level fields are ignored, as OpenAI clients
+send many. Never imports jax.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP_STRINGS = 16
+MAX_ID_LENGTH = 256
+
+
+class OpenAIModel(BaseModel):
+    """Base of every request schema: extra fields ignored, no NaN or infinity."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class AgentHintsModel(BaseModel):
+    """What an agent harness tells the server about its session (all optional, strictly typed).
+
+    Unknown fields are ignored; a known field of the wrong type is a 400.
+    """
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    session_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
+    parent_session_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
+    turn: int | None = Field(None, ge=0, le=2**31 - 1)
+    expected_next_turn_s: float | None = Field(None, ge=0, le=86_400)
+    branch_point: bool | None = None
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+    pin: Literal["none", "soft", "session"] | None = None
+    session_end: bool | None = None
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; extra fields (tool_calls, reasoning...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = Field(None, description="the served model's id (default: the served model)")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=64)] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(None, ge=0, le=0, description="only 0 is supported")
+    presence_penalty: float | None = Field(None, ge=0, le=0, description="only 0 is supported")
+    logprobs: Any = None
+    user: str | None = None
+    session_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
+    agent_hints: AgentHintsModel | None = None
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1, description="lower runs first")
+    cache_salt: str | None = Field(None, max_length=MAX_ID_LENGTH)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=64)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=64)
+    ]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = Field(False, description="not supported; must be false")
+    suffix: str | None = Field(None, description="not supported; must be null")
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "agentjax"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

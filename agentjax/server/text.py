@@ -1,0 +1,62 @@
+"""Text helpers of the server: chat messages for the template, and stop strings over a stream.
+
+`StopTextBuffer` holds back the few characters that might begin a stop string, so streamed text
+joins to exactly the non-streamed text (`apply_stop` of the full decode). Never imports jax.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agentjax.server.errors import APIError
+from agentjax.server.protocol import ChatMessage
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    """Plain dicts for the chat template; content parts are joined, only text parts are allowed."""
+    plain = []
+    for index, message in enumerate(messages):
+        item = message.model_dump(exclude_none=True)
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"messages[{index}].content has a {part.type!r} part; only text parts "
+                                   f"are supported", param=f"messages[{index}].content")
+                texts.append(part.text)
+            item["content"] = "".join(texts)
+        elif content is None:
+            item["content"] = ""
+        plain.append(item)
+    return plain
+
+
+def apply_stop(text: str, stops: Sequence[str]) -> str:
+    """`text` cut before the earliest stop string it contains."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+class StopTextBuffer:
+    """Streams text deltas, never emitting what a stop string would later cut off."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, delta: str, finished: bool) -> str:
+        """The text that is now safe to send."""
+        if self.stopped:
+            return ""
+        self.text += delta
+        if self.stops:
+            cut = apply_stop(self.text, self.stops)
+            if len(cut) < len(self.text):
+                self.text, self.stopped, finished = cut, True, True
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out
