@@ -191,18 +191,10 @@ class Engine:
         tokens = self.runner.execute(rows, sampling)
         self.num_steps += 1
         now = time.monotonic()
-        outputs = []
-        for item, token in zip(plan.scheduled, tokens):
-            request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(request.request_id, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk that is not the last: its sample is discarded
-            outputs.append(self._append_token(request, int(token), now))
-        return outputs
+        produced = self.scheduler.update_from_output(plan, tokens.tolist())
+        return [self._on_token(request, token, now) for request, token in produced]
 
-    def _append_token(self, request: Request, token: int, now: float) -> EngineOutput:
-        request.output_token_ids.append(token)
+    def _on_token(self, request: Request, token: int, now: float) -> EngineOutput:
         self.metrics.generation_tokens_total += 1
         if request.first_token_time is None:
             request.first_token_time = now

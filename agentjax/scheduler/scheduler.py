@@ -152,6 +152,23 @@ class Scheduler:
         self.step_index += 1
         return out
 
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int]]:
+        """Advance the scheduled requests after the model ran; `sampled` has a token per row.
+
+        Written pages become cacheable. Rows that finished their tokens get the sampled token
+        appended and are returned as `(request, token)`; the sample of a prefill chunk that is not
+        the last is discarded. Finishing (stop checks) is the caller's job, via `remove`.
+        """
+        produced = []
+        for item, token in zip(out.scheduled, sampled):
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(request.request_id, request.num_computed_tokens)
+            if request.num_computed_tokens == request.num_tokens:
+                request.output_token_ids.append(int(token))
+                produced.append((request, int(token)))
+        return produced
+
     def _preempt_self(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
