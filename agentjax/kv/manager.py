@@ -11,24 +11,45 @@ Host only: never imports jax, never touches device memory. The engine drives it:
     m.cache_blocks(req_id, num_computed)       # after the device wrote KV: full pages become hittable
     m.append(req_id, new_token_ids) -> bool    # decode growth; False (no change) when out of pages
     m.free(req_id)                             # finish or abort; cached pages stay hittable
+    m.free(req_id, pin_session=sid, ttl_s=5.0) # end of a turn: keep the session's prefix for the next
+    m.pin_prefix(key, fork_prompt); m.unpin(key)   # a subagent fork point, held until released
     m.stats(); m.take_events()
 
 With `cache_on_allocate=True` (the default of the single-group `full_attention` constructor used by
 benchmarks) pages are offered to the cache as soon as they are allocated or appended, as if the
 device had already written them. `from_model_config` defaults to False: call `cache_blocks`.
+
+Transactional admission. From `allocate` until the request is committed, the manager keeps an undo
+record. A request is committed by its first successful `append`, a `cache_blocks` call with
+`num_computed_tokens > 0`, `block_ids` (the device may write its pages from then on),
+`take_pending_copies` while it has a checkpoint copy pending, or `free(..., pin_session=...)`; and,
+in `cache_on_allocate` mode only, by an allocation that already releases pages (a sliding window's
+or a state checkpoint's). `free` of an uncommitted request (an abort, or the caller's clean-up after
+a failed `append`) rolls the admission back: reused cached pages return to the eviction position
+they held (not the MRU end), pages taken from the free set return to their former positions with
+their former cached hashes (a `BlockRemoved` for what the admission cached, a `BlockStored` for
+what it evicted, so the event stream always matches what is hittable), and `queries`, `hits` and
+`evictions` drop what the admission added. With no other request in between, the pool, the
+eviction order and the stats equal those before `allocate`. Pages another request hit meanwhile
+stay with it (they are not rolled back), and a hash cached elsewhere meanwhile is not restored.
+
+Session and branch pins live in the eviction order (`PinnedEvictionOrder`, the default): pinned
+free pages are evicted after every unpinned free page, earliest expiry first; they count as free.
+`clock` (default `time.monotonic`) times the pins' `ttl_s`; tests inject their own.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
 from agentjax.errors import InvalidRequestError, OutOfPagesError
-from agentjax.kv.block_pool import BlockPool, EvictionOrder
+from agentjax.kv.block_pool import BlockPool, EvictionOrder, PinnedEvictionOrder
 from agentjax.kv.groups import CheckpointGroup, GroupManager, GroupTable, make_group_manager
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32
-from agentjax.kv.requests import RequestKV, TokenBuffer
+from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
 from agentjax.kv.specs import FullAttentionSpec, KVGroupPlan, KVSpec, plan_groups, specs_from_model_config
 
 logger = logging.getLogger(__name__)
@@ -39,11 +60,14 @@ class KVCacheManager:
 
     def __init__(self, plan: KVGroupPlan, num_blocks: int, enable_caching: bool = True,
                  cache_on_allocate: bool = True, enable_kv_events: bool = False,
-                 eviction_order: EvictionOrder | None = None):
+                 eviction_order: EvictionOrder | None = None, clock: Callable[[], float] | None = None):
         self.plan = plan
         self.block_size = plan.hash_block_size
         self.enable_caching = enable_caching
         self.cache_on_allocate = cache_on_allocate
+        if eviction_order is None:
+            eviction_order = PinnedEvictionOrder(clock or time.monotonic)
+        self.clock = clock or getattr(eviction_order, "clock", time.monotonic)
         self.pool = BlockPool(num_blocks, len(plan.groups), eviction_order, enable_kv_events)
         managers = [make_group_manager(group, self.pool, self.block_size) for group in plan.groups]
         self.groups: list[GroupManager] = managers
@@ -55,7 +79,9 @@ class KVCacheManager:
         self._last_prepared: tuple | None = None
         self._pending_copies: list[tuple[int, int, int]] = []
         self._pending_copy_sources: list[int] = []
+        self._uncommitted_with_copies: set[str] = set()
         self.queries = self.hits = self.lookups = 0
+        self.rollbacks = 0
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -151,28 +177,40 @@ class KVCacheManager:
         if new + reused_free > self.pool.num_free:
             return False
         pool = self.pool
-        pool.touch(np.asarray([p for pages, _ in reuse for p in pages], dtype=np.int64))
-        new_pages = pool.allocate(new).tolist()
+        order = pool.eviction_order
+        reused = np.asarray([p for pages, _ in reuse for p in pages], dtype=np.int64)
+        was_free = reused[pool.ref_counts[reused] == 0] if len(reused) else reused
+        undo = AdmissionUndo(was_free, order.positions(was_free), num_tokens=len(tokens), num_hit=hit)
+        pool.touch(reused)
+        taken_pages = pool.allocate(new, undo.evicted)
+        if new:
+            undo.new_pages.append(taken_pages)
+            undo.new_positions.append(order.victim_positions())
+        new_pages = taken_pages.tolist()
         tables, taken = [], 0
         for group, (pages, start) in zip(self.groups, reuse):
             count = group.num_new_pages(start, len(pages), len(tokens))
             if isinstance(group, CheckpointGroup):
                 if pages:  # restore the checkpoint into the running page, then let the source go
-                    self._pending_copies.append((group.group_id, pages[0], new_pages[taken]))
+                    copy = (group.group_id, pages[0], new_pages[taken])
+                    self._pending_copies.append(copy)
                     self._pending_copy_sources.append(pages[0])
+                    undo.copies.append(copy)
+                    undo.copy_sources.append(pages[0])
+                    self._uncommitted_with_copies.add(req_id)
                 table = group.build_table(start, [], new_pages[taken:taken + count])
                 table.last_checkpoint = hit // group.tokens_per_page * group.tokens_per_page if pages else 0
             else:
                 table = group.build_table(start, pages, new_pages[taken:taken + count])
             tables.append(table)
             taken += count
-        request = RequestKV(req_id, TokenBuffer(tokens), self._root(cache_salt), list(hashes), tables, hit)
+        request = RequestKV(req_id, TokenBuffer(tokens), self._root(cache_salt), list(hashes), tables, hit, undo=undo)
         self._requests[req_id] = request
         self._last_prepared = None
         self.queries += len(tokens)
         self.hits += hit
         if self.cache_on_allocate:
-            self.cache_blocks(req_id, len(tokens))
+            self._cache_blocks(request, len(tokens))
         return True
 
     def append(self, req_id: str, new_token_ids: Sequence[int]) -> bool:
@@ -183,6 +221,7 @@ class KVCacheManager:
         growth = [g.grow(t, total) for g, t in zip(self.groups, request.tables)]
         if sum(growth) > self.pool.num_free:
             return False
+        request.undo = None  # the first successful append commits the admission
         request.tokens.extend(new_tokens)
         if sum(growth):
             new_pages = self.pool.allocate(sum(growth)).tolist()
@@ -191,45 +230,54 @@ class KVCacheManager:
                 table.pages.extend(new_pages[taken:taken + count])
                 taken += count
         if self.cache_on_allocate:
-            self.cache_blocks(req_id, total)
+            self._cache_blocks(request, total)
         return True
 
     def cache_blocks(self, req_id: str, num_computed_tokens: int) -> None:
         """The device has written KV for the first `num_computed_tokens` tokens: make full pages
-        hittable, save a due state checkpoint, and release sliding-window pages no query reads."""
+        hittable, save a due state checkpoint, and release sliding-window pages no query reads.
+        With `num_computed_tokens > 0` it commits the admission (see the module docstring)."""
         request = self._request(req_id)
         if not 0 <= num_computed_tokens <= request.tokens.size:
             raise InvalidRequestError(
                 f"num_computed_tokens={num_computed_tokens} outside [0, {request.tokens.size}] for {req_id!r}")
+        if num_computed_tokens > 0:
+            request.undo = None
+        self._cache_blocks(request, num_computed_tokens)
+
+    def _cache_blocks(self, request: RequestKV, num_computed_tokens: int) -> None:
         request.num_computed = max(request.num_computed, num_computed_tokens)
         if self.enable_caching:
             self._extend_hashes(request, num_computed_tokens)
             for group, table in zip(self.groups, request.tables):
                 keys = group.page_keys(request.hashes)
                 if isinstance(group, CheckpointGroup):
-                    self._save_checkpoint(group, table, keys, num_computed_tokens)
+                    if self._save_checkpoint(group, table, keys, num_computed_tokens):
+                        request.undo = None  # a page went through the free set: no exact undo any more
                 else:
                     group.cache_full_pages(table, keys, num_computed_tokens, request.tokens_of_page(group))
         released: list[int] = []
         for group, table in zip(self.groups, request.tables):
             released += group.pages_out_of_window(table, request.num_computed)
         if released:
+            request.undo = None  # released pages may be taken by others at once: no exact undo any more
             self.pool.release(np.asarray(released, dtype=np.int64))
 
     def _save_checkpoint(self, group: CheckpointGroup, table: GroupTable, keys: list[BlockHash],
-                         num_computed: int) -> None:
+                         num_computed: int) -> bool:
         key = group.checkpoint_key(keys, num_computed)
         if key is None or num_computed <= table.last_checkpoint:
-            return
+            return False
         table.last_checkpoint = num_computed
         if self.pool.num_free == 0:
             logger.debug("no free page for a checkpoint at %d tokens; skipped", num_computed)
-            return
+            return False
         page = int(self.pool.allocate(1)[0])
         self._pending_copies.append((group.group_id, table.pages[0], page))
         index = num_computed // group.tokens_per_page - 1
         self.pool.cache_page(page, group.group_id, key, keys[index - 1] if index else None)
         self.pool.release(np.asarray([page]))
+        return True
 
     def _extend_hashes(self, request: RequestKV, num_tokens: int) -> None:
         have, want = len(request.hashes), num_tokens // self.block_size
@@ -238,16 +286,109 @@ class KVCacheManager:
             token_bytes = request.tokens.view()[:want * self.block_size].tobytes()
             request.hashes += chain_hashes(token_bytes, self.block_size, parent, have, want)
 
-    def free(self, req_id: str) -> None:
-        """Release a finished or aborted request; its cached pages stay hittable until evicted."""
-        request = self._requests.pop(req_id, None)
-        if request is None:
-            raise InvalidRequestError(f"unknown request {req_id!r}")
+    def free(self, req_id: str, pin_session: Hashable | None = None, ttl_s: float | None = None,
+             now: float | None = None) -> None:
+        """Release a finished or aborted request; its cached pages stay hittable until evicted.
+
+        An uncommitted request is rolled back exactly (see the module docstring). With `pin_session`,
+        the request's cached prefix pages are first pinned under that key (replacing its previous
+        pin set) for `ttl_s` seconds of `clock` (None: until `unpin`); that commits the request.
+        """
+        request = self._request(req_id)
+        if pin_session is not None:
+            self.pin_request(pin_session, req_id, ttl_s=ttl_s, now=now)
+            request.undo = None
+        del self._requests[req_id]
+        self._last_prepared = None
+        if request.undo is not None:
+            self._roll_back(request, request.undo)
+            return
         order = [page for group, table in zip(self.groups, request.tables) for page in group.release_order(table)]
         self.pool.release(np.asarray(order, dtype=np.int64))
         if self.enable_caching and request.hashes:
             self._memo.remember(request.hashes[0], request.tokens.view(), request.hashes)
-        self._last_prepared = None
+
+    def _roll_back(self, request: RequestKV, undo: AdmissionUndo) -> None:
+        """Undo an uncommitted admission: the pool, the eviction order and the counters return to
+        where they were before `allocate` (other requests' changes since then stay)."""
+        pool = self.pool
+        for copy in undo.copies:  # still pending: take_pending_copies would have committed the request
+            self._pending_copies.remove(copy)
+        for source in undo.copy_sources:
+            self._pending_copy_sources.remove(source)
+        self._uncommitted_with_copies.discard(request.req_id)
+        order = [page for group, table in zip(self.groups, request.tables) for page in group.release_order(table)]
+        pool.release(np.asarray(order + undo.copy_sources, dtype=np.int64))
+        if undo.new_pages:
+            new_pages = np.concatenate(undo.new_pages) if len(undo.new_pages) > 1 else undo.new_pages[0]
+            new_positions = np.concatenate(undo.new_positions) if len(undo.new_positions) > 1 else undo.new_positions[0]
+            free_now = new_pages[pool.ref_counts[new_pages] == 0]  # not hit by another request meanwhile
+            for page in free_now.tolist():
+                pool.uncache(page)
+            if undo.evicted:
+                free_set = set(free_now.tolist())
+                for page, block_hash, group, parent, tokens in undo.evicted:
+                    if page in free_set:
+                        pool.restore_cached(page, group, block_hash, parent, tokens)
+            pool.restore_free(new_pages, new_positions)
+        pool.restore_free(undo.reused_pages, undo.reused_positions)
+        self.queries -= undo.num_tokens
+        self.hits -= undo.num_hit
+        self.rollbacks += 1
+
+    # -- session and branch pins -----------------------------------------------------------------
+    def _pins(self) -> PinnedEvictionOrder:
+        order = self.pool.eviction_order
+        if not hasattr(order, "pin"):
+            raise InvalidRequestError(
+                f"the eviction order {type(order).__name__} has no pins; use PinnedEvictionOrder (the default)")
+        return order
+
+    def _expiry(self, ttl_s: float | None, expires_at: float | None, now: float | None) -> float | None:
+        if ttl_s is not None and expires_at is not None:
+            raise InvalidRequestError("pass ttl_s or expires_at, not both")
+        if ttl_s is None:
+            return expires_at
+        if not ttl_s >= 0:
+            raise InvalidRequestError(f"ttl_s must be >= 0 seconds, got {ttl_s}")
+        return (self.clock() if now is None else now) + ttl_s
+
+    def _serving_pages(self, hashes: list[BlockHash], num_tokens: int) -> list[int]:
+        """Cached pages, in every group, that a later prompt extending these tokens would reuse."""
+        if not self.enable_caching or not hashes:
+            return []
+        _, reuse = self._find_hit(hashes, num_tokens + 1)
+        return [page for pages, _ in reuse for page in pages]
+
+    def pin(self, key: Hashable, pages: Sequence[int], expires_at: float | None = None) -> int:
+        """Pin page ids under `key` until `expires_at` on `clock` (None: until `unpin(key)`),
+        replacing `key`'s previous set; returns how many pages it pins."""
+        return self._pins().pin(key, np.asarray(pages, dtype=np.int64), expires_at)
+
+    def pin_request(self, key: Hashable, req_id: str, ttl_s: float | None = None,
+                    expires_at: float | None = None, now: float | None = None) -> int:
+        """Pin the cached pages that serve `req_id`'s computed prefix (a session between turns)."""
+        request = self._request(req_id)
+        expiry = self._expiry(ttl_s, expires_at, now)
+        pages = self._serving_pages(request.hashes, len(request.hashes) * self.block_size)
+        return self._pins().pin(key, np.asarray(pages, dtype=np.int64), expiry)
+
+    def pin_prefix(self, key: Hashable, token_ids: Sequence[int], ttl_s: float | None = None,
+                   expires_at: float | None = None, now: float | None = None, cache_salt: str | None = None) -> int:
+        """Pin the cached pages of the longest cached prefix of `token_ids` (a subagent fork point)."""
+        expiry = self._expiry(ttl_s, expires_at, now)
+        tokens = tokens_as_uint32(token_ids)
+        if len(tokens) == 0:
+            raise InvalidRequestError("token_ids is empty; nothing to pin")
+        hashes = self._memo.hashes(tokens, self._root(cache_salt), remember=False) if self.enable_caching else []
+        pages = self._serving_pages(hashes, len(tokens))
+        return self._pins().pin(key, np.asarray(pages, dtype=np.int64), expiry)
+
+    def unpin(self, key: Hashable) -> int:
+        """Release `key`'s pin now (a session_end hint, or the children of a fork are done)."""
+        return self._pins().unpin(key)
+
+    unpin_session = unpin
 
     # -- what the engine reads -------------------------------------------------------------------
     def _request(self, req_id: str) -> RequestKV:
@@ -257,8 +398,11 @@ class KVCacheManager:
         return request
 
     def block_ids(self, req_id: str) -> list[list[int]]:
-        """One page list per group (group order of `plan.groups`); a checkpoint group lists its running page."""
-        return [list(table.pages) for table in self._request(req_id).tables]
+        """One page list per group (group order of `plan.groups`); a checkpoint group lists its running page.
+        The device may now write these pages, so this commits the admission."""
+        request = self._request(req_id)
+        request.undo = None
+        return [list(table.pages) for table in request.tables]
 
     def num_cached_tokens(self, req_id: str) -> int:
         return self._request(req_id).num_cached_tokens
@@ -269,6 +413,11 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int, int]]:
         """(group, source page, destination page) copies the device must run before the next step."""
         copies, self._pending_copies = self._pending_copies, []
+        for req_id in self._uncommitted_with_copies:  # the device writes their running pages: committed
+            request = self._requests.get(req_id)
+            if request is not None:
+                request.undo = None
+        self._uncommitted_with_copies.clear()
         for source in self._pending_copy_sources:  # one at a time: several requests may share a source
             self.pool.release(np.asarray([source], dtype=np.int64))
         self._pending_copy_sources = []
@@ -283,12 +432,15 @@ class KVCacheManager:
 
     def stats(self) -> dict:
         pool = self.pool
+        pinned, pinned_free = pool.eviction_order.num_pinned() if hasattr(pool.eviction_order, "num_pinned") else (0, 0)
         return {
             "num_blocks": pool.num_pages, "free_blocks": pool.num_free, "cached_blocks": pool.num_cached,
             "used_blocks": pool.num_pages - 1 - pool.num_free, "queries": self.queries, "hits": self.hits,
             "hit_rate": self.hits / self.queries if self.queries else 0.0, "lookups": self.lookups,
             "evictions": pool.evictions, "running_requests": len(self._requests),
             "blocks_hashed": self._memo.blocks_hashed, "blocks_hash_reused": self._memo.blocks_reused,
+            "rollbacks": self.rollbacks, "pinned_blocks": pinned, "pinned_free_blocks": pinned_free,
+            "pinned_evictions": getattr(pool.eviction_order, "pinned_evictions", 0),
         }
 
     def check_invariants(self) -> None:

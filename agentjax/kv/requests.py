@@ -4,7 +4,7 @@ Plain containers that the manager mutates; they own no policy. Host only: never 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +35,21 @@ class TokenBuffer:
 
 
 @dataclass
+class AdmissionUndo:
+    """What an admission changed, kept until the request is committed (see KVCacheManager)."""
+
+    reused_pages: np.ndarray  # cached pages the hit took while they were free (reference count 0)
+    reused_positions: np.ndarray  # where the eviction order held them
+    new_pages: list[np.ndarray] = field(default_factory=list)  # pages taken from the free set
+    new_positions: list[np.ndarray] = field(default_factory=list)
+    evicted: list[tuple] = field(default_factory=list)  # (page, hash, group, parent, tokens) evicted for them
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # pending copies the admission queued
+    copy_sources: list[int] = field(default_factory=list)  # checkpoint pages those copies read
+    num_tokens: int = 0  # counted in the manager's queries
+    num_hit: int = 0  # counted in its hits
+
+
+@dataclass
 class RequestKV:
     req_id: str
     tokens: TokenBuffer
@@ -43,6 +58,7 @@ class RequestKV:
     tables: list[GroupTable]
     num_cached_tokens: int
     num_computed: int = 0
+    undo: AdmissionUndo | None = None  # None once committed
 
     def tokens_of_page(self, group: GroupManager):
         size = group.tokens_per_page

@@ -57,6 +57,7 @@ def test_eviction_takes_the_tail_first_and_the_least_recently_freed_request_firs
     m = KVCacheManager.full_attention(num_blocks=9, block_size=4)  # 8 usable pages
     a, b = list(range(100, 116)), list(range(200, 216))
     m.allocate("a", a), m.allocate("b", b)
+    m.cache_blocks("a", 16), m.cache_blocks("b", 16)  # computed: committed, so free keeps them cached
     m.free("a"), m.free("b")
     m.allocate("c", list(range(300, 308)))  # two fresh pages: a's last two blocks go
     assert m.lookup(a + [1]) == 8
