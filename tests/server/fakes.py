@@ -1,0 +1,107 @@
+"""A jax-free stand-in for the engine and tokenizer, so the HTTP layer tests in milliseconds.
+
+`FakeEngine` follows `agentjax.engine.Engine`'s interface: each step emits one token per live
+request (the prompt's characters, echoed), holds two pages per live request, and can be paused
+with `gate` or made to fail with `fail_next_step`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from agentjax.errors import InvalidRequestError, PromptTooLongError
+
+EOS = 0
+
+
+class FakeTokenizer:
+    """One token per character (id = code point + 1); id 0 is end of sequence."""
+
+    stop_token_ids = (EOS,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) + 1 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i - 1) for i in ids if i != EOS)
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """Same fields as `agentjax.engine.EngineOutput` (imported there with jax)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    num_prompt_tokens: int
+
+
+@dataclass
+class _Live:
+    prompt: list[int]
+    sampling: object
+    generated: list[int] = field(default_factory=list)
+
+
+class FakeEngine:
+    max_model_len = 256
+    pages_per_request = 2
+
+    def __init__(self, step_s: float = 0.001):
+        self.step_s = step_s
+        self.live: dict[str, _Live] = {}
+        self.calls: list[tuple] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_next_step = False
+
+    def add_request(self, prompt, sampling, request_id=None, *, session_id=None, priority=0, hints=None,
+                    cache_salt=None):
+        if len(prompt) >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}")
+        if any(t >= 0x110000 for t in prompt):
+            raise InvalidRequestError("token id outside the vocabulary")
+        self.calls.append(("add", request_id, session_id, priority, hints, cache_salt))
+        self.live[request_id] = _Live(list(prompt), sampling)
+        return request_id
+
+    def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+        self.live.pop(request_id, None)
+
+    def end_session(self, session_id):
+        self.calls.append(("end_session", session_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[EngineOutput]:
+        self.gate.wait()
+        time.sleep(self.step_s)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step failure")
+        outputs = []
+        for request_id, live in list(self.live.items()):
+            index = len(live.generated)
+            token = live.prompt[index % len(live.prompt)]
+            live.generated.append(token)
+            done = len(live.generated) >= live.sampling.max_tokens
+            text = "".join(chr(t - 1) for t in live.generated)
+            stopped = any(s in text for s in live.sampling.stop)
+            if done or stopped:
+                del self.live[request_id]
+            outputs.append(EngineOutput(request_id, [token], done or stopped, "stop" if stopped else
+                                        ("length" if done else None), 0, len(live.prompt)))
+        return outputs
+
+    def stats(self) -> dict:
+        used = self.pages_per_request * len(self.live)
+        return {"num_running": len(self.live), "num_waiting": 0, "kv_total_blocks": 100,
+                "kv_free_blocks": 100 - used, "kv_used_blocks": used, "kv_usage": used / 100}
