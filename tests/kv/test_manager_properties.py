@@ -94,6 +94,27 @@ class ManagerMachine(RuleBasedStateMachine):
             self.tokens[req_id] = list(prompt)
             assert self.m.num_cached_tokens(req_id) == expected
 
+    def snapshot(self):
+        m, pool = self.m, self.m.pool
+        stats = m.stats()
+        return (pool.eviction_order.live_pages_in_order().tolist(), [dict(index) for index in pool.cached],
+                pool.ref_counts.tolist(), pool.num_free, pool.num_cached, list(m._pending_copies),
+                list(m._pending_copy_sources), [stats[k] for k in ("queries", "hits", "evictions")])
+
+    @rule(prompt=prompts)
+    def failed_admission(self, prompt):
+        """allocate, an append that cannot fit, free: the rollback leaves the state as before."""
+        OPERATIONS["count"] += 3
+        self.learn(prompt)
+        before = self.snapshot()
+        req_id = f"r{self.next_id}"
+        self.next_id += 1
+        if self.m.allocate(req_id, list(prompt)):
+            assert self.m.append(req_id, [7] * (self.m.pool.num_pages * 64)) is False
+            self.m.check_invariants()
+            self.m.free(req_id)
+        assert self.snapshot() == before
+
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), count=st.integers(1, 6))
     def append(self, data, count):
