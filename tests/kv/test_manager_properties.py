@@ -147,6 +147,18 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.free(req_id)
         del self.tokens[req_id]
 
+    @rule(key=st.integers(0, 2), prompt=prompts)
+    def pin_prefix(self, key, prompt):
+        """A branch pin (no expiry) on a prompt's cached prefix; a later pin of the key replaces it."""
+        OPERATIONS["count"] += 1
+        self.learn(prompt)
+        self.m.pin_prefix(key, list(prompt))
+
+    @rule(key=st.integers(0, 2))
+    def unpin(self, key):
+        OPERATIONS["count"] += 1
+        self.m.unpin(key)
+
     @rule()
     def take_copies(self):
         OPERATIONS["count"] += 1
@@ -164,6 +176,10 @@ class ManagerMachine(RuleBasedStateMachine):
             assert {self.prefix_of_hash[h] for h in pool.cached[group]} == prefixes
         stats = self.m.stats()
         assert stats["free_blocks"] + stats["used_blocks"] == pool.num_pages - 1
+        order = pool.eviction_order.live_pages_in_order()  # every free page exactly once, pinned last
+        assert sorted(order.tolist()) == np.flatnonzero(pool.ref_counts == 0).tolist()
+        pinned = pool.eviction_order._pin_count[order] > 0
+        assert not (pinned[:-1] & ~pinned[1:]).any()
         for req_id, tokens in self.tokens.items():
             assert self.m.num_tokens(req_id) == len(tokens)
 
