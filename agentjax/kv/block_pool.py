@@ -459,7 +459,7 @@ class BlockPool:
 
     def allocate(self, count: int, evicted: list | None = None) -> np.ndarray:
         """Take `count` free pages (reference count 1), evicting their cached hashes; with `evicted`,
-        append (page, hash, group, parent, tokens) of each eviction to it (an undo record)."""
+        append one batch (pages, hashes, groups, parents, tokens) of what was evicted (an undo record)."""
         self.version += 1
         if count > self.num_free:
             raise OutOfPagesError(f"need {count} free KV pages, only {self.num_free} free")
@@ -469,13 +469,34 @@ class BlockPool:
         self.ref_counts[pages] = 1
         self.num_free -= count
         page_hash = self.page_hash
-        for page in pages.tolist():
-            if page_hash[page] is not None:
-                if evicted is not None:
-                    evicted.append((page, page_hash[page], int(self.page_group[page]), self.page_parent[page],
-                                    self.page_tokens[page]))
-                self._evict(page)
+        evicting = [page for page in pages.tolist() if page_hash[page] is not None]
+        if evicting:
+            hashes = [page_hash[page] for page in evicting]
+            groups = self.page_group[evicting].tolist()
+            if evicted is not None:
+                parents = [self.page_parent[page] for page in evicting]
+                tokens = [self.page_tokens[page] for page in evicting] if self.enable_events else None
+                evicted.append((evicting, hashes, groups, parents, tokens))
+            self._evict_many(evicting, hashes, groups)
         return pages
+
+    def _evict_many(self, pages: list[int], hashes: list[BlockHash], groups: list[int]) -> None:
+        if len(self.cached) == 1:
+            index = self.cached[0]
+            for block_hash in hashes:
+                del index[block_hash]
+        else:
+            cached = self.cached
+            for block_hash, group in zip(hashes, groups):
+                del cached[group][block_hash]
+        page_hash = self.page_hash
+        for page in pages:
+            page_hash[page] = None
+        self.page_group[pages] = -1
+        self.num_cached -= len(pages)
+        self.evictions += len(pages)
+        if self.enable_events:
+            self.events.extend(map(BlockRemoved, hashes, groups))
 
     def release(self, pages: np.ndarray) -> None:
         """Drop one reference on each of the distinct `pages`, which list the first to be evicted first."""

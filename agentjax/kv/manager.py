@@ -327,9 +327,10 @@ class KVCacheManager:
                 pool.uncache(page)
             if undo.evicted:
                 free_set = set(free_now.tolist())
-                for page, block_hash, group, parent, tokens in undo.evicted:
-                    if page in free_set:
-                        pool.restore_cached(page, group, block_hash, parent, tokens)
+                for pages, hashes, groups, parents, tokens in undo.evicted:
+                    for i, page in enumerate(pages):
+                        if page in free_set:
+                            pool.restore_cached(page, groups[i], hashes[i], parents[i], tokens[i] if tokens else ())
             pool.restore_free(new_pages, new_positions)
         pool.restore_free(undo.reused_pages, undo.reused_positions)
         self.queries -= undo.num_tokens

@@ -42,7 +42,7 @@ class AdmissionUndo:
     reused_positions: np.ndarray  # where the eviction order held them
     new_pages: list[np.ndarray] = field(default_factory=list)  # pages taken from the free set
     new_positions: list[np.ndarray] = field(default_factory=list)
-    evicted: list[tuple] = field(default_factory=list)  # (page, hash, group, parent, tokens) evicted for them
+    evicted: list[tuple] = field(default_factory=list)  # batches (pages, hashes, groups, parents, tokens)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # pending copies the admission queued
     copy_sources: list[int] = field(default_factory=list)  # checkpoint pages those copies read
     num_tokens: int = 0  # counted in the manager's queries
