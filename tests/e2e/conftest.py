@@ -1,0 +1,119 @@
+"""End-to-end fixtures: a real `agentjax serve` process on a free local port, stopped with SIGTERM.
+
+Each test module starts one server (module-scoped) with the flags it needs, waits for /health,
+and on teardown asserts that SIGTERM ends the process with exit status 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 240
+CLIENT_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    api_key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused",
+                             timeout=CLIENT_TIMEOUT_S, max_retries=0, **kwargs)
+
+    def async_openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused",
+                                  timeout=CLIENT_TIMEOUT_S, max_retries=0, **kwargs)
+
+    def metric(self, name: str) -> float:
+        """One unlabelled sample from /metrics."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        assert match, f"{name} not in /metrics"
+        return float(match.group(1))
+
+    def assert_healthy(self) -> None:
+        assert self.process.poll() is None, f"server exited:\n{self.log_tail()}"
+        assert httpx.get(f"{self.base_url}/health", timeout=10).status_code == 200
+
+
+def start_server(log_dir: Path, *flags: str, api_key: str | None = None,
+                 command: list[str] | None = None) -> ServerProcess:
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    argv = command or [sys.executable, "-m", "agentjax.cli", "--log-level", "INFO", "serve"]
+    argv = [*argv, "--port", str(port), *flags]
+    env = dict(os.environ)
+    if api_key:
+        env["AGENTJAX_API_KEY"] = api_key
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(process, port, log_path, api_key)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} while starting:\n{server.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        time.sleep(0.5)
+    stop_server(server)
+    raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
+
+
+def stop_server(server: ServerProcess, timeout: float = 60) -> int:
+    """SIGTERM, then wait; returns the exit status (kills and fails if it hangs)."""
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+    try:
+        return server.process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+        raise AssertionError(f"server did not stop within {timeout}s of SIGTERM:\n{server.log_tail()}") from None
+
+
+@contextlib.contextmanager
+def running_server(tmp_path_factory, *flags: str, api_key: str | None = None,
+                   command: list[str] | None = None) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("server"), *flags, api_key=api_key, command=command)
+    try:
+        yield server
+    finally:
+        status = stop_server(server)
+        assert status == 0, f"server exited with {status} after SIGTERM:\n{server.log_tail()}"
