@@ -95,7 +95,10 @@ def markdown(rows: list[dict], args: argparse.Namespace, workload: dict, command
         "Per-turn total = lookup + allocate (prompt and output reserved at admission) + free, plus vLLM's "
         "`Request` creation, which hashes every block with sha256; agentjax hashes inside its calls. "
         "Times are medians over the repeats of each engine's mean per-turn total; the ratio is the median of "
-        "the per-run ratios agentjax / vLLM.", "",
+        "the per-run ratios agentjax / vLLM. The harness's adapter admits with `allocate(prompt)` then "
+        "`append(output)`; when the append fails it calls `free`, which rolls the uncommitted admission back "
+        "exactly (LRU positions, evicted hashes, stats), so a failed admission leaves no trace, as vLLM's single "
+        "call does.", "",
         "| C | vLLM µs/turn | agentjax µs/turn | ratio (median, runs) | vLLM hit | agentjax hit | hit diff | "
         "failed allocs vLLM / agentjax | median lookup / allocate / free µs, vLLM | same, agentjax |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -2,7 +2,7 @@
 
 Host only: never imports jax, so the scheduler, the router and benchmarks can use it without a device.
 """
-from agentjax.kv.block_pool import NULL_PAGE, BlockPool, EvictionOrder, LRUEvictionOrder
+from agentjax.kv.block_pool import NULL_PAGE, BlockPool, EvictionOrder, LRUEvictionOrder, PinnedEvictionOrder
 from agentjax.kv.events import BlockRemoved, BlockStored, KVEvent
 from agentjax.kv.hashing import block_hashes, hash_block_tokens, root_hash
 from agentjax.kv.manager import KVCacheManager
@@ -11,7 +11,7 @@ from agentjax.kv.specs import (CompressedLatentSpec, FullAttentionSpec, IndexerK
                                plan_groups)
 
 __all__ = [
-    "NULL_PAGE", "BlockPool", "EvictionOrder", "LRUEvictionOrder", "BlockRemoved", "BlockStored", "KVEvent",
+    "NULL_PAGE", "BlockPool", "EvictionOrder", "LRUEvictionOrder", "PinnedEvictionOrder", "BlockRemoved", "BlockStored", "KVEvent",
     "block_hashes", "hash_block_tokens", "root_hash", "KVCacheManager", "CompressedLatentSpec",
     "FullAttentionSpec", "IndexerKeySpec", "KVGroup", "KVGroupPlan", "KVSpec", "MLALatentSpec",
     "RecurrentStateSpec", "RollingStateSpec", "SlidingWindowSpec", "plan_groups",
