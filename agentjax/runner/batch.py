@@ -15,9 +15,12 @@ import numpy as np
 
 from agentjax.errors import InvalidRequestError
 
-TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PAGE_BUCKETS = tuple(2**i for i in range(2, 17))
+# Few buckets: each (tokens, rows, pages) shape is one compilation of the whole model (seconds
+# on a CPU). Small rows and tokens share one bucket; padding a decode batch of 1 row to 8 costs
+# little next to the weights every row reads.
+TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SEQ_BUCKETS = (8, 32, 64, 128, 256)
+PAGE_BUCKETS = (8, 32, 128, 512, 2048, 8192, 32768, 131072)
 
 
 def bucket(value: int, buckets: Sequence[int]) -> int:

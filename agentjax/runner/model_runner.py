@@ -15,6 +15,7 @@ import numpy as np
 
 from agentjax.config import ModelConfig
 from agentjax.runner.batch import RaggedBatch
+from agentjax.runner.compilation_cache import enable_compilation_cache
 from agentjax.runner.sampler import SamplingMetadata
 from agentjax.runner.step import make_sampling_step
 
@@ -25,6 +26,7 @@ class ModelRunner:
     """Owns params and KV pages; runs one ragged batch per call."""
 
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast"):
+        enable_compilation_cache()
         self.cfg = cfg
         self.params = params
         self.page_size = page_size

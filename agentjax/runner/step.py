@@ -6,6 +6,7 @@ runs. `nnx.merge` happens inside the traced function, so the graph is split once
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -57,10 +58,12 @@ def make_step(cfg: ModelConfig, numerics: str = "fast", all_positions: bool = Fa
     return jax.jit(step, donate_argnums=(1,))
 
 
+@functools.lru_cache(maxsize=32)
 def make_sampling_step(cfg: ModelConfig, numerics: str = "fast", greedy_only: bool = False) -> Callable:
     """Jitted `(params, kv_pages, batch, sampling) -> (tokens [B], kv_pages)`, KV pages donated.
 
-    `greedy_only` compiles a variant that skips the sort behind top-k/top-p.
+    `greedy_only` compiles a variant that skips the sort behind top-k/top-p. Cached per config,
+    so engines over the same model share compiled executables.
     """
     forward = make_forward(cfg, numerics)
     logits_fn = make_logits_fn(cfg, numerics)

@@ -6,8 +6,6 @@ call, still hits. Pinned pages are evicted only after unpinned ones; `session_en
 """
 from __future__ import annotations
 
-import time
-
 from agentjax.kv import KVCacheManager
 from agentjax.scheduler.request import DEFAULT_SESSION_TTL_S, AgentHints, Request, Session
 
@@ -15,10 +13,10 @@ from agentjax.scheduler.request import DEFAULT_SESSION_TTL_S, AgentHints, Reques
 class SessionTable:
     """Sessions by id, with their pins in the KV manager."""
 
-    def __init__(self, kv: KVCacheManager, default_ttl_s: float = DEFAULT_SESSION_TTL_S, clock=time.monotonic):
+    def __init__(self, kv: KVCacheManager, default_ttl_s: float = DEFAULT_SESSION_TTL_S):
         self.kv = kv
         self.default_ttl_s = default_ttl_s
-        self.clock = clock
+        self.clock = kv.clock  # pins expire on the manager's clock
         self.sessions: dict[str, Session] = {}
 
     def get(self, session_id: str) -> Session:
@@ -49,9 +47,9 @@ class SessionTable:
         expires_at = None if hints.pin == "session" else now + 1.5 * ttl + 1.0
         session.pin_expires_at = expires_at
         session.pinned_until_end = hints.pin == "session"
-        self.kv.pin_request(session.session_id, request.request_id, expires_at)
-        if hints.branch_point:
-            self.kv.pin_request(f"{session.session_id}#branch", request.request_id, None)
+        self.kv.pin_request(session.session_id, request.request_id, expires_at=expires_at, now=now)
+        if hints.branch_point:  # children fork here: hold the fork point until the session ends
+            self.kv.pin_request(f"{session.session_id}#branch", request.request_id, expires_at=None, now=now)
 
     def end(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)
