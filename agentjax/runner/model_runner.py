@@ -8,6 +8,7 @@ recompiles.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import jax
@@ -38,6 +39,8 @@ class ModelRunner:
             False: make_sampling_step(cfg, numerics, greedy_only=False),
         }
         self.compiled_shapes: set[tuple] = set()
+        # Wall time of the last call spent waiting on the device (dispatch to tokens on the host).
+        self.last_device_s = 0.0
 
     def execute(
         self,
@@ -61,8 +64,11 @@ class ModelRunner:
         if key not in self.compiled_shapes:
             logger.debug("compiling step for shape %s", key)
             self.compiled_shapes.add(key)
+        started = time.perf_counter()
         tokens, self.kv_pages = self._steps[greedy_only](self.params, self.kv_pages, batch, meta)
-        return np.asarray(jax.device_get(tokens))[: len(rows)]
+        tokens = np.asarray(jax.device_get(tokens))[: len(rows)]
+        self.last_device_s = time.perf_counter() - started
+        return tokens
 
     def reset_kv(self) -> None:
         self.kv_pages = self.cfg.new_kv_pages(self.num_pages, self.page_size)
