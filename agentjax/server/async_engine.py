@@ -152,15 +152,20 @@ class AsyncEngine:
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            self._drain_commands()
-            if self._stopping:
-                break
-            if self.engine.has_unfinished():
-                self._step()
-            else:
-                self._publish_stats()
-                self._wakeup.wait(IDLE_WAIT_S)
-                self._wakeup.clear()
+            try:
+                self._drain_commands()
+                if self._stopping:
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                else:
+                    self._publish_stats()
+                    self._wakeup.wait(IDLE_WAIT_S)
+                    self._wakeup.clear()
+            except Exception:  # keep serving: fail what is in flight rather than hang it
+                logger.exception("engine loop error; failing the %d requests in flight", len(self._live))
+                self._fail_live(EngineFailedError("the engine loop failed; see the server log"))
+                time.sleep(0.1)
         for request_id in list(self._live):
             self.engine.abort(request_id)
         self._fail(list(self._live), EngineFailedError("the server is shutting down", code="shutdown"))
@@ -197,11 +202,7 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the %d requests in flight", len(self._live))
-            failed = list(self._live)
-            for request_id in failed:
-                self.engine.abort(request_id)
-            self._live.clear()
-            self._fail(failed, EngineFailedError(f"the engine failed: {type(exc).__name__}: {exc}"))
+            self._fail_live(EngineFailedError(f"the engine failed: {type(exc).__name__}: {exc}"))
             return
         batch = []
         for output in outputs:
@@ -211,6 +212,16 @@ class AsyncEngine:
         self._publish_stats()
         if batch:
             self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _fail_live(self, error: BaseException) -> None:
+        failed = list(self._live)
+        self._live.clear()
+        for request_id in failed:
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine is already broken; the failure notice matters more
+                logger.exception("abort of %s failed", request_id)
+        self._fail(failed, error)
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         if not request_ids or self._loop is None:

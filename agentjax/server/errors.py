@@ -43,6 +43,13 @@ class ServerOverloadedError(APIError):
     error_type = "rate_limit_error"
 
 
+class ClientDisconnectedError(APIError):
+    """The client went away before its reply was ready (nginx's 499); nobody reads this answer."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+
+
 class EngineFailedError(APIError):
     """The engine's step raised; the requests in flight at that moment are failed."""
 

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from agentjax.sampling_params import SamplingParams
 from agentjax.scheduler.request import AgentHints
 from agentjax.server.async_engine import AsyncEngine, RequestStream
-from agentjax.server.errors import APIError, ModelNotFoundError
+from agentjax.server.errors import APIError, ClientDisconnectedError, ModelNotFoundError
 from agentjax.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, SamplingFields
 from agentjax.server.text import StopTextBuffer, apply_stop, chat_messages
 from checkpoints.tokenizer import IncrementalDetokenizer
@@ -149,7 +149,7 @@ class OpenAIServing:
                     break
                 except TimeoutError:
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError("client disconnected")
+                        raise ClientDisconnectedError("the client disconnected; the request was aborted")
                     continue
                 token_ids.extend(output.new_token_ids)
                 finish_reason = output.finish_reason or finish_reason

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -119,7 +120,10 @@ def test_session_id_comes_from_headers_when_the_body_has_none(client):
 
 def test_session_end_hint_ends_the_session_after_the_reply(client):
     client.post("/v1/chat/completions", json={**CHAT, "session_id": "s9", "agent_hints": {"session_end": True}})
-    assert ("end_session", "s9") in client.engine.calls
+    deadline = time.monotonic() + 5  # the engine thread takes the command a moment later
+    while ("end_session", "s9") not in client.engine.calls:
+        assert time.monotonic() < deadline, client.engine.calls
+        time.sleep(0.01)
 
 
 def test_api_key_is_required_on_v1_routes_but_not_on_health():
