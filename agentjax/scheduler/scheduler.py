@@ -67,7 +67,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for *_, r in self._waiting if not r.is_finished)
+        return len(self._waiting)  # `remove` takes finished and aborted requests out at once
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
@@ -89,26 +89,37 @@ class Scheduler:
             return max(ADAPTIVE_MIN_CHUNK, self.config.max_num_batched_tokens // max(1, wanting))
         return self.config.max_num_batched_tokens
 
-    def _preempt_one(self, protect: Request) -> Request | None:
-        """Free the lowest-priority, latest running request other than `protect`."""
-        candidates = [r for r in self.running if r is not protect]
+    def _preempt_one(self, candidates: list[Request]) -> Request | None:
+        """Free the lowest-priority, latest of `candidates` (running, not yet scheduled this step)."""
         if not candidates:
             return None
         victim = max(candidates, key=lambda r: (r.priority, r.arrival_index))
-        self.running.remove(victim)
-        self.kv.free(victim.request_id)
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        victim.state = RequestState.PREEMPTED
-        heapq.heappush(self._waiting, (victim.priority, victim.arrival_index, victim))
-        self.num_preemptions += 1
+        candidates.remove(victim)
+        self._requeue(victim)
         return victim
 
-    def _grow(self, request: Request, out: SchedulerOutput) -> bool:
-        """Give `request` pages for every token it holds, preempting others if needed."""
-        missing = request.all_token_ids[self.kv.num_tokens(request.request_id):]
-        while missing and not self.kv.append(request.request_id, missing):
-            victim = self._preempt_one(protect=request)
+    def _requeue(self, request: Request) -> None:
+        """Preemption by recompute: release the pages, go back to waiting from token 0."""
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.state = RequestState.PREEMPTED
+        heapq.heappush(self._waiting, (request.priority, request.arrival_index, request))
+        self.num_preemptions += 1
+
+    def _grow(self, request: Request, unscheduled: list[Request], out: SchedulerOutput) -> bool:
+        """Give `request` pages for every token it holds, preempting later requests if needed."""
+        have = self.kv.num_tokens(request.request_id)
+        prompt_len = len(request.prompt_token_ids)
+        if have >= request.num_tokens:
+            return True
+        if have >= prompt_len:
+            missing = request.output_token_ids[have - prompt_len :]
+        else:
+            missing = request.prompt_token_ids[have:] + request.output_token_ids
+        while not self.kv.append(request.request_id, missing):
+            victim = self._preempt_one(unscheduled)
             if victim is None:
                 return False
             out.preempted.append(victim.request_id)
@@ -119,17 +130,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         wanting = len(self.running) + min(self.num_waiting, self.config.max_num_seqs)
         cap = self._prefill_cap(wanting)
-        running = sorted(self.running, key=lambda r: (r.priority, r.arrival_index))
-        for request in running:
-            if request not in self.running:
-                continue  # preempted while growing an earlier request
+        unscheduled = sorted(self.running, key=lambda r: (r.priority, r.arrival_index))
+        while unscheduled:
             if budget <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
                 break
+            request = unscheduled.pop(0)
             remaining = request.num_tokens - request.num_computed_tokens
             prefill = remaining > 1 or not request.output_token_ids
             count = min(remaining, budget, cap if prefill else remaining)
-            if not self._grow(request, out):
-                self._preempt_self(request, out)
+            if not self._grow(request, unscheduled, out):
+                self._requeue(request)  # nothing later to preempt: this one waits
+                out.preempted.append(request.request_id)
                 continue
             out.scheduled.append(ScheduledRequest(request, count, prefill))
             budget -= count
@@ -160,24 +171,17 @@ class Scheduler:
         the last is discarded. Finishing (stop checks) is the caller's job, via `remove`.
         """
         produced = []
+        block_size = self.kv.block_size
         for item, token in zip(out.scheduled, sampled):
             request = item.request
+            before = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(request.request_id, request.num_computed_tokens)
+            if request.num_computed_tokens // block_size > before // block_size:  # a page filled up
+                self.kv.cache_blocks(request.request_id, request.num_computed_tokens)
             if request.num_computed_tokens == request.num_tokens:
                 request.output_token_ids.append(int(token))
                 produced.append((request, int(token)))
         return produced
-
-    def _preempt_self(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
-        self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        request.state = RequestState.PREEMPTED
-        heapq.heappush(self._waiting, (request.priority, request.arrival_index, request))
-        self.num_preemptions += 1
-        out.preempted.append(request.request_id)
 
     def _admit(self, request: Request) -> bool:
         """Reserve pages for all the request's tokens (cached prefix reused), keeping a watermark."""

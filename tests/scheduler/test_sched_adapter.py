@@ -46,10 +46,6 @@ def test_chunked_prefill_gets_no_token_until_done_and_hits_count_like_vllm():
     assert s["prefix_hit_tokens"] == 192 and s["prefix_query_tokens"] == 200 + 203
 
 
-@pytest.mark.xfail(strict=False, raises=Exception, reason=(
-    "agentjax Scheduler bug: when the latest running request cannot grow, _preempt_one(protect=it) picks "
-    "the latest *other* running request, which schedule() already put in this step's plan; "
-    "update_from_output then calls kv.cache_blocks on the freed request (InvalidRequestError)"))
 def test_preemption_and_recovery_under_a_small_pool():
     ad = AgentjaxSchedulerAdapter(num_blocks=24, block_size=16, max_num_batched_tokens=512, max_model_len=512,
                                   watermark=0.0)
