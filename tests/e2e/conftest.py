@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240
@@ -117,3 +118,17 @@ def running_server(tmp_path_factory, *flags: str, api_key: str | None = None,
     finally:
         status = stop_server(server)
         assert status == 0, f"server exited with {status} after SIGTERM:\n{server.log_tail()}"
+
+
+def readme_main_command() -> list[str]:
+    """The README's main command (the first bash block of its set-up section)."""
+    text = (REPO / "README.md").read_text()
+    setup = text[text.index("## Set-up"):]
+    return re.findall(r"```bash\n(.*?)```", setup, re.DOTALL)[0].split()
+
+
+@pytest.fixture(scope="session")
+def main_server(tmp_path_factory):
+    """The server the README's main command starts (embedded model, default flags), on a free port."""
+    with running_server(tmp_path_factory, command=readme_main_command()) as server:
+        yield server

@@ -8,22 +8,21 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import CLIENT_TIMEOUT_S, running_server
+from tests.e2e.conftest import CLIENT_TIMEOUT_S
 
 MODEL = "smollm2-135m-instruct"
 USED = "agentjax:kv_used_blocks"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory, "--max-tokens-limit", "512") as process:
-        yield process
+def server(main_server):
+    return main_server
 
 
-def wait_for_metric(server, name: str, value: float, within_s: float) -> float:
-    """Seconds until `name` equals `value`; fails after `within_s`."""
+def wait_for_metric_at_most(server, name: str, value: float, within_s: float) -> float:
+    """Seconds until `name` is at most `value` (pins of earlier tests may expire meanwhile)."""
     started = time.monotonic()
-    while (current := server.metric(name)) != value:
+    while (current := server.metric(name)) > value:
         assert time.monotonic() - started < within_s, f"{name} is {current}, not {value}, after {within_s}s"
         time.sleep(0.02)
     return time.monotonic() - started
@@ -43,7 +42,7 @@ def test_closing_a_stream_after_3_chunks_returns_pages_to_baseline_within_1s(ser
                     break
             assert server.metric(USED) > baseline  # the request holds pages while it streams
         # leaving the block closes the connection mid-stream
-    wait_for_metric(server, USED, baseline, within_s=1.0)
+    wait_for_metric_at_most(server, USED, baseline, within_s=1.0)
     assert server.metric("agentjax:num_requests_running") == 0
     server.assert_healthy()
 
@@ -86,5 +85,5 @@ def test_32_concurrent_streaming_sessions_of_5_turns_finish_without_errors_and_r
     results = asyncio.run(run_all())
     assert sum(errors for errors, _ in results) == 0
     assert sum(cached for _, cached in results) > 0  # later turns reuse their session's prefix
-    wait_for_metric(server, USED, baseline, within_s=5.0)
+    wait_for_metric_at_most(server, USED, baseline, within_s=5.0)
     server.assert_healthy()

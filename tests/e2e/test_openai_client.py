@@ -1,4 +1,4 @@
-"""The official `openai` client, unchanged, against a real `agentjax serve` on the embedded model."""
+"""The official `openai` client, unchanged, against the server the README's main command starts."""
 from __future__ import annotations
 
 import asyncio
@@ -6,16 +6,13 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import running_server
-
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory, "--max-tokens-limit", "256") as process:
-        yield process
+def server(main_server):
+    return main_server
 
 
 def test_sync_chat_returns_a_reply_with_usage(server):

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.conftest import REPO, running_server
+from tests.e2e.conftest import REPO
 
 
 def readme_blocks() -> list[str]:
@@ -22,12 +22,12 @@ def test_readme_main_command_is_bootstrap_serve():
 
 
 @pytest.mark.slow
-def test_readme_curl_chat_request_works_against_the_main_command(tmp_path_factory):
-    main_command, curl = readme_blocks()[0].split(), readme_blocks()[1]
+def test_readme_curl_chat_request_works_against_the_main_command(main_server):
+    """`main_server` is the README's main command, run with `--port` added."""
+    curl = readme_blocks()[1]
     assert "curl" in curl and "127.0.0.1:8000" in curl
-    with running_server(tmp_path_factory, command=main_command) as server:
-        result = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")],
-                                capture_output=True, text=True, timeout=300, check=True)
-        reply = json.loads(result.stdout)
-        assert "Paris" in reply["choices"][0]["message"]["content"]
-        assert reply["usage"]["completion_tokens"] > 0
+    result = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{main_server.port}")],
+                            capture_output=True, text=True, timeout=300, check=True)
+    reply = json.loads(result.stdout)
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+    assert reply["usage"]["completion_tokens"] > 0
