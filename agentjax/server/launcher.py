@@ -37,9 +37,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     add("--max-queued-requests", type=int, default=256, help="requests queued or running before 429")
     add("--max-request-body-bytes", type=int, default=8 * 2**20, help="largest request body (413 beyond)")
-    add("--compilation-cache-dir", default=None,
-        help="persistent XLA compilation cache, so a restart skips recompiling (default: "
-             "$AGENTJAX_CACHE/jax-compile; 'none' turns it off)")
     add("--timeout-graceful-shutdown", type=float, default=30.0, help="seconds to let requests finish on SIGTERM")
 
 
@@ -70,23 +67,6 @@ def served_model_name(args: argparse.Namespace) -> str:
     return Path(args.model).stem if Path(args.model).exists() else args.model
 
 
-def enable_compilation_cache(directory: str | None) -> None:
-    """Points jax's persistent compilation cache at `directory` (None: the agentjax cache)."""
-    if directory == "none":
-        return
-    import jax
-
-    from checkpoints.embedded import cache_dir
-
-    path = Path(directory) if directory else cache_dir() / "jax-compile"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        logger.warning("no compilation cache (cannot create %s: %s)", path, exc)
-        return
-    jax.config.update("jax_compilation_cache_dir", str(path))
-
-
 def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
     import uvicorn
 
@@ -98,7 +78,6 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("binding to %s without --api-key: anyone who can reach it can use it", args.host)
     config = engine_config_from_args(args, engine_args)
-    enable_compilation_cache(args.compilation_cache_dir)
     started = time.perf_counter()
     model_cfg, params, tokenizer = load_model(args.model)
     engine = Engine(model_cfg, params, config, tokenizer)
