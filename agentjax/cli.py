@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(srv)
     add_serve_arguments(srv)
     srv.set_defaults(handler=cmd_serve)
+    from agentjax.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,401 @@
+"""The AgentX replay: C closed-loop lanes, each replaying agent sessions turn by turn.
+
+A lane sends a turn after the previous turn's reply plus its (scaled) think time; subagents run
+concurrently with their parent; the first session of each lane starts part-way in, as AgentX does.
+Requests go to an OpenAI-compatible server (`HttpBackend`) or to an in-process `Engine`
+(`EngineBackend`, stepped on the same asyncio loop). The result is `metrics.summarize`'s dict.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from agentjax.bench.metrics import RequestRecord, summarize
+from agentjax.bench.traces import Session, TokenIdRange, Turn, load_weka_traces, prompt_token_ids
+from agentjax.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRACES = "../shared/traces/agentx-dev"
+IDLE_GAP_CAP_S = 300.0  # AgentX's --trace-idle-gap-cap-seconds
+START_RATIO = (0.25, 0.75)  # AgentX's --trajectory-start-{min,max}-ratio
+
+
+@dataclass
+class AgentxConfig:
+    """One replay run. `max_context` caps each prompt (truncating its end); `warmup_s` and
+    `warmup_requests_per_lane` (AgentX's default: 1, the lane's cold first request) are not counted."""
+
+    traces: str = DEFAULT_TRACES
+    lanes: int = 4
+    context_scale: float = 0.01
+    duration_s: float = 60.0
+    warmup_s: float = 0.0
+    warmup_requests_per_lane: int = 1
+    think_scale: float = 0.0
+    seed: int = 0
+    gpus: int = 1
+    max_context: int | None = None
+    drain_timeout_s: float = 120.0
+    progress: bool = False
+    salt: str = ""  # prefixes every lane's salt: runs on one engine then share no prefixes
+
+    def __post_init__(self) -> None:
+        if self.lanes < 1 or not self.duration_s > 0 or self.gpus < 1 or self.think_scale < 0:
+            raise InvalidRequestError(
+                f"need lanes >= 1, duration > 0, gpus >= 1, think_scale >= 0; got lanes={self.lanes}, "
+                f"duration={self.duration_s}, gpus={self.gpus}, think_scale={self.think_scale}")
+        if self.max_context is not None and self.max_context < 2:
+            raise InvalidRequestError(f"max_context={self.max_context} must be >= 2")
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """What a backend sends for one turn."""
+
+    prompt: list[int]
+    max_tokens: int
+    session_id: str
+    turn_index: int
+    hints: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    token_range: TokenIdRange
+    max_prompt_tokens: int | None  # the backend's own cap (None: unknown)
+
+    async def start(self) -> None: ...
+    async def send(self, request: TurnRequest) -> RequestRecord: ...
+    async def close(self) -> None: ...
+
+
+def _failed(request: TurnRequest, start: float, error: BaseException | str) -> RequestRecord:
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return RequestRecord(start, None, time.perf_counter(), len(request.prompt), 0, 0, error=text,
+                         session_id=request.session_id, turn_index=request.turn_index)
+
+
+class EngineBackend:
+    """An in-process `Engine`, stepped by one task on the caller's asyncio loop (the Engine is
+    not thread-safe, and one loop needs no locks). A step blocks the loop while it runs."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        vocab = engine.model_cfg.vocab_size
+        self.token_range = TokenIdRange(low=min(256, vocab // 2), vocab_size=vocab)
+        self.max_prompt_tokens = engine.max_model_len - 1
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._driver: asyncio.Task | None = None
+        self._broken: BaseException | None = None
+
+    @classmethod
+    def from_model(cls, model: str | None, **engine_args: Any) -> EngineBackend:
+        from agentjax.llm import LLM
+
+        return cls(LLM(model, **engine_args).engine)
+
+    async def start(self) -> None:
+        self._driver = asyncio.create_task(self._drive(), name="agentx-engine")
+
+    async def _drive(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # the engine's state is suspect: fail everything after it
+                logger.exception("engine step failed")
+                self._broken = error
+                for request_id, queue in list(self._queues.items()):
+                    self.engine.abort(request_id)
+                    queue.put_nowait(error)
+                continue
+            now = time.perf_counter()
+            for output in outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait((now, output))
+            await asyncio.sleep(0)  # let the lanes take their tokens and send their next turns
+
+    async def send(self, request: TurnRequest) -> RequestRecord:
+        from agentjax.sampling_params import SamplingParams
+        from agentjax.scheduler.request import AgentHints
+
+        start = time.perf_counter()
+        if self._broken is not None:
+            return _failed(request, start, self._broken)
+        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        try:
+            request_id = self.engine.add_request(request.prompt, sampling, session_id=request.session_id,
+                                                 hints=AgentHints(**request.hints))
+        except Exception as error:
+            return _failed(request, start, error)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._wake.set()
+        times: list[float] = []
+        cached = 0
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    return _failed(request, start, item)
+                now, output = item
+                times.extend([now] * len(output.new_token_ids))
+                cached = output.num_cached_tokens
+                if output.finished:
+                    break
+        except asyncio.CancelledError:
+            self.engine.abort(request_id)
+            raise
+        finally:
+            self._queues.pop(request_id, None)
+        return RequestRecord.from_token_times(start, times, times[-1] if times else time.perf_counter(),
+                                              len(request.prompt), cached, session_id=request.session_id,
+                                              turn_index=request.turn_index)
+
+    async def close(self) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+            await asyncio.gather(self._driver, return_exceptions=True)
+
+
+class HttpBackend:
+    """An OpenAI-compatible server: streaming `/v1/completions` with a token-id prompt, through
+    the official `openai` async client; `session_id` and `agent_hints` go in the body,
+    the session id also as `X-Session-ID`."""
+
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None,
+                 vocab_size: int = 49_152, max_prompt_tokens: int | None = None,
+                 timeout_s: float = 600.0) -> None:
+        import openai
+
+        self.client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "EMPTY",
+                                         timeout=timeout_s, max_retries=0)
+        self.model = model
+        self.token_range = TokenIdRange(low=256, vocab_size=vocab_size)
+        self.max_prompt_tokens = max_prompt_tokens
+
+    async def start(self) -> None:
+        if self.model is None:
+            models = await self.client.models.list()
+            if not models.data:
+                raise InvalidRequestError("the server lists no models; pass --model")
+            self.model = models.data[0].id
+
+    async def send(self, request: TurnRequest) -> RequestRecord:
+        start = time.perf_counter()
+        times: list[float] = []
+        usage = None
+        try:
+            stream = await self.client.completions.create(
+                model=self.model, prompt=request.prompt, max_tokens=request.max_tokens, stream=True,
+                stream_options={"include_usage": True}, temperature=0.0,
+                extra_body={"ignore_eos": True, "session_id": request.session_id,
+                            "agent_hints": request.hints},
+                extra_headers={"X-Session-ID": request.session_id})
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].text:
+                    times.append(now)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            return _failed(request, start, error)
+        end = time.perf_counter()
+        if usage is None:
+            return _failed(request, start, "the stream ended without a usage chunk")
+        details = usage.prompt_tokens_details
+        cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+        # Text chunks may carry several tokens: the usage's count is the truth, gaps are per chunk.
+        return RequestRecord(start, times[0] if times else None, end, int(usage.prompt_tokens), cached,
+                             int(usage.completion_tokens), tuple(np.diff(times).tolist()),
+                             session_id=request.session_id, turn_index=request.turn_index)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class AgentxRun:
+    """Replays `sessions` on `backend` with `config.lanes` closed-loop lanes."""
+
+    def __init__(self, config: AgentxConfig, sessions: Sequence[Session], backend: Backend) -> None:
+        if not sessions:
+            raise InvalidRequestError("no sessions to replay")
+        self.config = config
+        self.sessions = [session for session in sessions if session.turns]
+        self.backend = backend
+        self.records: list[tuple[RequestRecord, bool]] = []  # (record, counted)
+        self.in_flight = 0
+        self._lane_counts: dict[int, int] = {}
+        self.t0 = 0.0
+        self.deadline = 0.0
+
+    def _stopping(self) -> bool:
+        return time.perf_counter() >= self.deadline
+
+    async def run(self) -> dict:
+        await self.backend.start()
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + self.config.duration_s
+        lanes = [asyncio.create_task(self._lane(lane), name=f"lane-{lane}")
+                 for lane in range(self.config.lanes)]
+        progress = asyncio.create_task(self._progress()) if self.config.progress else None
+        try:
+            await asyncio.wait_for(asyncio.gather(*lanes),
+                                   self.config.duration_s + self.config.drain_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("requests still in flight %.0f s after the end were cancelled",
+                           self.config.drain_timeout_s)
+        finally:
+            for task in lanes:
+                task.cancel()
+            await asyncio.gather(*lanes, return_exceptions=True)
+            if progress is not None:
+                progress.cancel()
+                await asyncio.gather(progress, return_exceptions=True)
+                self._print_progress(final=True)
+            await self.backend.close()
+        return self.summary()
+
+    def summary(self) -> dict:
+        counted = [record for record, keep in self.records if keep]
+        if counted:
+            wall = max(r.end_time_s for r in counted) - min(r.start_time_s for r in counted)
+        else:
+            wall = time.perf_counter() - self.t0
+        summary = summarize(counted, max(wall, 1e-9), self.config.gpus)
+        summary.update(warmup_requests=len(self.records) - len(counted),
+                       config={k: v for k, v in asdict(self.config).items() if k != "progress"})
+        return summary
+
+    async def _lane(self, lane: int) -> None:
+        rng = np.random.default_rng([self.config.seed, lane])
+        for replay in range(1_000_000):
+            if self._stopping():
+                return
+            session = self.sessions[int(rng.integers(len(self.sessions)))]
+            start_turn = 0
+            if replay == 0 and len(session.turns) > 1:  # AgentX starts lanes part-way in
+                low = int(START_RATIO[0] * len(session.turns))
+                high = max(low, int(START_RATIO[1] * len(session.turns)))
+                start_turn = min(int(rng.integers(low, high + 1)), len(session.turns) - 1)
+            await self._replay(lane, session, start_turn, f"{self.config.salt}{self.config.seed}:{lane}:{replay}", None)
+
+    async def _replay(self, lane: int, session: Session, start_turn: int, salt: str,
+                      parent_id: str | None) -> None:
+        session_id = f"{salt}:{session.session_id}"
+        forks: dict[int, list[Session]] = {}
+        for sub in session.subagents:
+            if sub.turns and (sub.fork_turn or 0) >= start_turn:
+                forks.setdefault(sub.fork_turn or 0, []).append(sub)
+        children: list[asyncio.Task] = []
+        try:
+            for index in range(start_turn, len(session.turns)):
+                turn = session.turns[index]
+                if index > start_turn:
+                    await self._think(turn)
+                if self._stopping():
+                    break
+                last = index == len(session.turns) - 1
+                hints = {"session_id": session_id, "turn": turn.index, "session_end": last,
+                         "branch_point": index in forks}
+                if parent_id is not None:
+                    hints["parent_session_id"] = parent_id
+                if not last:
+                    hints["expected_next_turn_s"] = self._think_time(session.turns[index + 1])
+                await self._send(lane, session, turn, salt, session_id, hints)
+                for sub in forks.get(index, ()):
+                    children.append(asyncio.create_task(self._replay(lane, sub, 0, salt, session_id)))
+            await asyncio.gather(*children)
+        finally:
+            for child in children:
+                child.cancel()
+
+    def _think_time(self, turn: Turn) -> float:
+        return min(turn.think_time_s, IDLE_GAP_CAP_S) * self.config.think_scale
+
+    async def _think(self, turn: Turn) -> None:
+        wait = min(self._think_time(turn), self.deadline - time.perf_counter())
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    async def _send(self, lane: int, session: Session, turn: Turn, salt: str, session_id: str,
+                    hints: dict) -> None:
+        prompt = prompt_token_ids(session, turn, salt, self.backend.token_range)
+        max_tokens = max(1, turn.output_tokens)
+        cap = self.config.max_context
+        if self.backend.max_prompt_tokens is not None:
+            max_tokens = min(max_tokens, max(1, self.backend.max_prompt_tokens // 4))
+            limit = self.backend.max_prompt_tokens - max_tokens
+            cap = limit if cap is None else min(cap, limit)
+        if cap is not None:
+            prompt = prompt[:cap]
+        request = TurnRequest(prompt.tolist(), max_tokens, session_id, turn.index, hints)
+        lane_requests = self._lane_counts.setdefault(lane, 0)
+        self._lane_counts[lane] = lane_requests + 1
+        self.in_flight += 1
+        try:
+            record = await self.backend.send(request)
+        finally:
+            self.in_flight -= 1
+        counted = (lane_requests >= self.config.warmup_requests_per_lane
+                   and record.start_time_s >= self.t0 + self.config.warmup_s)
+        self.records.append((record, counted))
+        if record.error is not None:
+            logger.warning("request %s turn %d failed: %s", session_id, turn.index, record.error)
+
+    async def _progress(self) -> None:
+        while True:
+            self._print_progress()
+            await asyncio.sleep(1.0)
+
+    def _print_progress(self, final: bool = False) -> None:
+        errors = sum(1 for record, _ in self.records if record.error is not None)
+        elapsed = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r[agentx] {elapsed:6.1f}s/{self.config.duration_s:.0f}s  lanes {self.config.lanes}  "
+                         f"requests {len(self.records)}  errors {errors}  in flight {self.in_flight}   ")
+        sys.stderr.write("\n" if final else "")
+        sys.stderr.flush()
+
+
+def load_sessions(config: AgentxConfig) -> list[Session]:
+    path = Path(config.traces)
+    if not path.is_dir():
+        raise InvalidRequestError(f"--traces {path} is not a directory of weka traces")
+    return load_weka_traces(path, config.context_scale)
+
+
+async def run_agentx_async(config: AgentxConfig, backend: Backend,
+                           sessions: Sequence[Session] | None = None) -> dict:
+    sessions = load_sessions(config) if sessions is None else sessions
+    return await AgentxRun(config, sessions, backend).run()
+
+
+def run_agentx(config: AgentxConfig, backend: Backend | None = None, *, url: str | None = None,
+               model: str | None = None, sessions: Sequence[Session] | None = None,
+               **backend_args: Any) -> dict:
+    """Runs one replay to completion and returns its summary. Without `backend`: an `HttpBackend`
+    on `url`, or else an in-process engine on `model` (engine settings in `backend_args`)."""
+    sessions = load_sessions(config) if sessions is None else sessions
+
+    async def main() -> dict:
+        chosen = backend
+        if chosen is None:
+            chosen = (HttpBackend(url, model, **backend_args) if url
+                      else EngineBackend.from_model(model, **backend_args))
+        return await run_agentx_async(config, chosen, sessions)
+
+    return asyncio.run(main())

@@ -1,0 +1,132 @@
+"""`agentjax bench ...`: the AgentX replay, the report of an official AgentX run, the concurrency sweep.
+
+    agentjax bench agentx [--url URL | --model M] --lanes 4 --context-scale 0.01 --duration 60 --out r.json
+    agentjax bench report DIR
+    agentjax bench sweep-concurrency --levels 1,2,4,8 --out-dir sweep/
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from agentjax.bench.agentx import DEFAULT_TRACES
+
+_ENGINE_FLAGS = (("--block-size", int, None, "tokens per KV page"),
+                 ("--num-kv-blocks", int, None, "KV pages in the pool (default: sized from 1 GiB)"),
+                 ("--max-num-batched-tokens", int, None, "token budget of one step"),
+                 ("--max-num-seqs", int, None, "rows in one step"),
+                 ("--long-prefill-token-threshold", int, None, "cap on prefill tokens per request per step"),
+                 ("--prefill-schedule-interval", int, None, "admit new requests every Nth step"))
+
+
+def _add_replay_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None, help="server base URL (e.g. http://127.0.0.1:8000); "
+                        "without it the engine runs in this process")
+    parser.add_argument("--model", default=None, help="in-process: the model spec (default: the embedded "
+                        "SmolLM2-135M-Instruct); with --url: the served model name (default: the first listed)")
+    parser.add_argument("--api-key", default=None, help="bearer key for --url")
+    parser.add_argument("--vocab-size", type=int, default=49_152,
+                        help="with --url: prompt token ids lie in [256, vocab size)")
+    parser.add_argument("--traces", default=DEFAULT_TRACES, help="directory of weka traces (.json, .json.gz)")
+    parser.add_argument("--context-scale", type=float, default=0.01, help="shrink every length by this factor")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of sending new turns")
+    parser.add_argument("--warmup", type=float, default=0.0, help="seconds at the start not counted")
+    parser.add_argument("--warmup-requests-per-lane", type=int, default=1,
+                        help="first requests of each lane not counted (AgentX: 1)")
+    parser.add_argument("--think-scale", type=float, default=0.0,
+                        help="multiply recorded think times by this (1.0: as recorded, capped at 300 s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs the served model uses (TPGS divides by it)")
+    parser.add_argument("--max-context", type=int, default=None, help="cap tokens per prompt (truncating)")
+    parser.add_argument("--drain-timeout", type=float, default=120.0,
+                        help="seconds to let in-flight requests finish after --duration")
+    for flag, kind, default, text in _ENGINE_FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=f"in-process engine: {text}")
+
+
+def _engine_args(args: argparse.Namespace) -> dict:
+    names = [flag.removeprefix("--").replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _config(args: argparse.Namespace, lanes: int, progress: bool):
+    from agentjax.bench.agentx import AgentxConfig
+
+    return AgentxConfig(traces=args.traces, lanes=lanes, context_scale=args.context_scale,
+                        duration_s=args.duration, warmup_s=args.warmup,
+                        warmup_requests_per_lane=args.warmup_requests_per_lane,
+                        think_scale=args.think_scale, seed=args.seed, gpus=args.gpus,
+                        max_context=args.max_context, drain_timeout_s=args.drain_timeout,
+                        progress=progress)
+
+
+def _backend_args(args: argparse.Namespace) -> dict:
+    if args.url:
+        return dict(url=args.url, model=args.model, api_key=args.api_key, vocab_size=args.vocab_size)
+    return dict(model=args.model, **_engine_args(args))
+
+
+def cmd_agentx(args: argparse.Namespace) -> int:
+    from agentjax.bench.agentx import load_sessions, run_agentx
+    from agentjax.bench.metrics import format_table, write_summary
+
+    config = _config(args, args.lanes, progress=True)
+    summary = run_agentx(config, sessions=load_sessions(config), **_backend_args(args))
+    summary["target"] = args.url or (args.model or "embedded")
+    print(format_table(summary))
+    if args.out:
+        write_summary(summary, args.out)
+        print(f"[agentjax] wrote {args.out}", file=sys.stderr)
+    return 1 if summary["errors"] else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from agentjax.bench.metrics import format_table, write_summary
+    from agentjax.bench.report import report_from_dir
+
+    summary = report_from_dir(args.dir, num_gpus=args.gpus)
+    print(format_table(summary))
+    if args.out:
+        write_summary(summary, args.out)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from agentjax.bench.sweep import format_sweep, run_sweep
+
+    levels = [int(level) for level in args.levels.split(",") if level.strip()]
+    result = run_sweep(levels, lambda lanes: _config(args, lanes, progress=True),
+                       Path(args.out_dir), min_interactivity=args.min_interactivity,
+                       **_backend_args(args))
+    print(format_sweep(result))
+    print(f"[agentjax] wrote {result['json']} and {result['plot']}", file=sys.stderr)
+    return 0
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds `bench` and its subcommands to the `agentjax` command's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmark agent traffic (AgentX replay, report, sweep)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    agentx = sub.add_parser("agentx", help="replay agent traces with closed-loop lanes (AgentX)")
+    agentx.add_argument("--lanes", type=int, default=4, help="concurrent sessions (AgentX concurrency)")
+    agentx.add_argument("--out", default=None, help="write the summary JSON here")
+    _add_replay_flags(agentx)
+    agentx.set_defaults(handler=cmd_agentx)
+
+    report = sub.add_parser("report", help="AgentX figures from an official AgentX run's profile_export.jsonl")
+    report.add_argument("dir", help="the run's --output-artifact-dir, or the .jsonl file itself")
+    report.add_argument("--gpus", type=int, default=1, help="GPUs the served model used")
+    report.add_argument("--out", default=None, help="write the summary JSON here")
+    report.set_defaults(handler=cmd_report)
+
+    sweep = sub.add_parser("sweep-concurrency", help="AgentX at several lane counts; TPGS vs P90 "
+                           "interactivity plot with the Pareto frontier")
+    sweep.add_argument("--levels", default="1,2,4,8", help="comma-separated lane counts")
+    sweep.add_argument("--out-dir", default="sweep", help="writes sweep.json and sweep.png here")
+    sweep.add_argument("--min-interactivity", type=float, default=None,
+                       help="draw this P90 interactivity target (tok/s) on the plot")
+    _add_replay_flags(sweep)
+    sweep.set_defaults(handler=cmd_sweep)
+    return bench
