@@ -240,35 +240,52 @@ class AgentxRun:
         self.records: list[tuple[RequestRecord, bool]] = []  # (record, counted)
         self.in_flight = 0
         self._lane_counts: dict[int, int] = {}
-        self.t0 = 0.0
-        self.deadline = 0.0
+        self.t0 = self.t_profile = 0.0
+        self.deadline = float("inf")  # known once the warm-up phase ends
+        self._profiling = asyncio.Event()
+        self._lanes_warm = 0
 
     def _stopping(self) -> bool:
         return time.perf_counter() >= self.deadline
 
     async def run(self) -> dict:
+        """The warm-up phase (each lane's first `warmup_requests_per_lane` requests), then
+        `duration_s` of profiling from the moment every lane has finished its warm-up."""
         await self.backend.start()
         self.t0 = time.perf_counter()
-        self.deadline = self.t0 + self.config.duration_s
+        self._lanes_warm = 0
+        if self.config.warmup_requests_per_lane == 0:
+            self._start_profiling()
         lanes = [asyncio.create_task(self._lane(lane), name=f"lane-{lane}")
                  for lane in range(self.config.lanes)]
-        progress = asyncio.create_task(self._progress()) if self.config.progress else None
         try:
-            await asyncio.wait_for(asyncio.gather(*lanes),
-                                   self.config.duration_s + self.config.drain_timeout_s)
-        except asyncio.TimeoutError:
-            logger.warning("requests still in flight %.0f s after the end were cancelled",
-                           self.config.drain_timeout_s)
+            pending = set(lanes)
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=1.0)
+                if self.config.progress:
+                    self._print_progress()
+                if time.perf_counter() > self.deadline + self.config.drain_timeout_s and pending:
+                    logger.warning("requests still in flight %.0f s after the end were cancelled",
+                                   self.config.drain_timeout_s)
+                    break
+            for task in lanes:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
         finally:
             for task in lanes:
                 task.cancel()
             await asyncio.gather(*lanes, return_exceptions=True)
-            if progress is not None:
-                progress.cancel()
-                await asyncio.gather(progress, return_exceptions=True)
+            if self.config.progress:
                 self._print_progress(final=True)
             await self.backend.close()
         return self.summary()
+
+    def _start_profiling(self) -> None:
+        self.t_profile = time.perf_counter()
+        self.deadline = self.t_profile + self.config.duration_s
+        self._profiling.set()
+        logger.info("warm-up done after %.1f s; profiling for %.0f s", self.t_profile - self.t0,
+                    self.config.duration_s)
 
     def summary(self) -> dict:
         counted = [record for record, keep in self.records if keep]
@@ -346,26 +363,29 @@ class AgentxRun:
         request = TurnRequest(prompt.tolist(), max_tokens, session_id, turn.index, hints)
         lane_requests = self._lane_counts.setdefault(lane, 0)
         self._lane_counts[lane] = lane_requests + 1
+        warmup = lane_requests < self.config.warmup_requests_per_lane
+        if not warmup:
+            await self._profiling.wait()  # the lane's own subagents wait here during warm-up
+            if self._stopping():
+                return
         self.in_flight += 1
         try:
             record = await self.backend.send(request)
         finally:
             self.in_flight -= 1
-        counted = (lane_requests >= self.config.warmup_requests_per_lane
-                   and record.start_time_s >= self.t0 + self.config.warmup_s)
-        self.records.append((record, counted))
+        self.records.append((record, not warmup and record.start_time_s >= self.t_profile + self.config.warmup_s))
+        if lane_requests + 1 == self.config.warmup_requests_per_lane:
+            self._lanes_warm += 1
+            if self._lanes_warm == self.config.lanes:
+                self._start_profiling()
         if record.error is not None:
             logger.warning("request %s turn %d failed: %s", session_id, turn.index, record.error)
 
-    async def _progress(self) -> None:
-        while True:
-            self._print_progress()
-            await asyncio.sleep(1.0)
-
     def _print_progress(self, final: bool = False) -> None:
         errors = sum(1 for record, _ in self.records if record.error is not None)
-        elapsed = time.perf_counter() - self.t0
-        sys.stderr.write(f"\r[agentx] {elapsed:6.1f}s/{self.config.duration_s:.0f}s  lanes {self.config.lanes}  "
+        phase = ("warm-up" if not self._profiling.is_set()
+                 else f"{time.perf_counter() - self.t_profile:6.1f}s/{self.config.duration_s:.0f}s")
+        sys.stderr.write(f"\r[agentx] {phase}  lanes {self.config.lanes}  "
                          f"requests {len(self.records)}  errors {errors}  in flight {self.in_flight}   ")
         sys.stderr.write("\n" if final else "")
         sys.stderr.flush()

@@ -1,0 +1,75 @@
+"""The AgentX replay in process: closed-loop lanes on a tiny preset engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agentjax.bench.agentx import AgentxConfig, AgentxRun, load_sessions
+from agentjax.bench.metrics import RequestRecord
+from agentjax.bench.traces import TokenIdRange
+from agentjax.cli import main
+
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "agentx-dev"
+pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no dev traces at {TRACES}")
+
+
+@pytest.fixture(scope="module")
+def few_traces(tmp_path_factory) -> Path:
+    """Six dev traces: loading all 180 takes seconds the test does not need."""
+    directory = tmp_path_factory.mktemp("traces")
+    for path in sorted(TRACES.glob("*.json.gz"))[:6]:
+        shutil.copy(path, directory / path.name)
+    return directory
+
+
+def test_agentx_in_process(few_traces, tmp_path):
+    out = tmp_path / "r.json"
+    code = main(["bench", "agentx", "--model", "preset:tiny-dense", "--traces", str(few_traces),
+                 "--lanes", "2", "--context-scale", "0.005", "--duration", "15", "--out", str(out)])
+    summary = json.loads(out.read_text())
+    assert code == 0
+    assert summary["errors"] == 0 and summary["requests"] > 0
+    assert summary["hit_rate"] > 0.5
+    for key in ("tpgs", "p90_interactivity", "hit_rate", "requests", "errors", "ttft_p50_s"):
+        assert key in summary
+    assert summary["config"]["lanes"] == 2 and summary["warmup_requests"] >= 2
+
+
+def test_lanes_start_part_way_and_truncate(few_traces):
+    """Seeded start turns in the middle half of the session; prompts capped by --max-context."""
+    sent = []
+
+    class Recorder:
+        token_range = TokenIdRange()
+        max_prompt_tokens = None
+
+        async def start(self):
+            pass
+
+        async def close(self):
+            pass
+
+        async def send(self, request):
+            sent.append(request)
+            return RequestRecord(0.0, 0.0, 0.0, len(request.prompt), 0, request.max_tokens,
+                                 session_id=request.session_id, turn_index=request.turn_index)
+
+    config = AgentxConfig(traces=str(few_traces), lanes=3, context_scale=0.01, duration_s=0.2,
+                          max_context=100, seed=7)
+    sessions = load_sessions(config)
+    asyncio.run(AgentxRun(config, sessions, Recorder()).run())
+    assert sent and all(len(r.prompt) <= 100 for r in sent)
+    firsts = {}
+    for request in sent:
+        firsts.setdefault(request.session_id.split(":")[1], request)
+    by_id = {s.session_id: s for s in sessions}
+    for lane, request in firsts.items():
+        trace = request.session_id.split(":", 3)[3].split("/")[0]
+        turns = len(by_id[trace].turns)
+        if turns > 1:
+            assert int(0.25 * turns) <= request.turn_index <= int(0.75 * turns)
+    assert all(r.hints["session_id"] == r.session_id for r in sent)
