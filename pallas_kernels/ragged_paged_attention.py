@@ -85,7 +85,14 @@ def attend_paged(
     qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, dim)
     offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
+    # Blocks past the furthest query position are fully masked for every token here: skip them
+    # (an exact no-op either way), so padded page tables and causal tails cost nothing.
+    last_position = token_positions.max()
+
     def body(block, carry):
+        return jax.lax.cond(block * block_tokens <= last_position, attend_block, lambda _, c: c, block, carry)
+
+    def attend_block(block, carry):
         m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, 1)
         kv = kv_pages[layer, pages].reshape(num_tokens, block_tokens, kv2, dim).astype(jnp.float32)
