@@ -47,6 +47,23 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(2,),
         name="tiny-sliding",
     ),
+    # A long context window (1M positions) on a tiny model: for long-prompt serving tests
+    # (chunked prefill, paged KV at 30K+ tokens) without a real model's cost.
+    "tiny-long": ModelConfig(
+        architecture="llama",
+        vocab_size=SMOLLM2_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=1 << 20,
+        rope_theta=10_000_000.0,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="tiny-long",
+    ),
 }
 
 
