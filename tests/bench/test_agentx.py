@@ -73,3 +73,39 @@ def test_lanes_start_part_way_and_truncate(few_traces):
         if turns > 1:
             assert int(0.25 * turns) <= request.turn_index <= int(0.75 * turns)
     assert all(r.hints["session_id"] == r.session_id for r in sent)
+
+
+def _serve_long_prompt(num_tokens: int, batched: int) -> tuple[list, object]:
+    import numpy as np
+
+    from agentjax import LLM, SamplingParams
+
+    llm = LLM("preset:tiny-long", max_num_batched_tokens=batched, num_kv_blocks=num_tokens // 16 + 64)
+    prompt = np.random.default_rng(0).integers(256, 49_152, num_tokens).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
+    return list(llm.engine.step_log), out
+
+
+def test_tiny_long_preset_chunked_prefill():
+    """preset:tiny-long: 1M positions, SmolLM2's vocabulary; a prompt longer than the step budget
+    runs in chunks that never exceed it."""
+    from agentjax.models.presets import SMOLLM2_VOCAB, preset_config
+
+    cfg = preset_config("tiny-long")
+    assert cfg.max_position_embeddings >= 1 << 20 and cfg.vocab_size == SMOLLM2_VOCAB
+    steps, out = _serve_long_prompt(1100, batched=512)
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+    assert max(sum(row[1] for row in step.rows) for step in steps) <= 512
+    assert len(steps) >= 4  # 512 + 512 + 76 prompt tokens, then one decode
+
+
+@pytest.mark.slow
+def test_tiny_long_preset_serves_30k_prompt_with_bounded_memory():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    steps, out = _serve_long_prompt(30_000, batched=2048)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert len(out.token_ids) == 2
+    assert max(sum(row[1] for row in step.rows) for step in steps) <= 2048
+    assert grown_mb < 2048, f"peak memory grew by {grown_mb:.0f} MB"
