@@ -1,0 +1,486 @@
+"""Generation benchmark: agentjax against HF transformers on SmolLM2-135M, CPU, written to BENCHMARKS.md.
+
+Both sides load the same GGUF file (the embedded SmolLM2-135M-Instruct, dequantised to float32), get
+the same token ids (from agentjax's tokenizer), decode greedily with no early stop, and run on the
+same number of CPU threads. transformers runs in a separate Python (`--hf-python`, torch CPU) through
+`scripts/bench_generate_hf_peer.py`; the two sides take turns, one timed run each, round after round,
+so that load from other processes on the machine falls on both alike. Figures are medians.
+
+What it measures
+  * decode tok/s at batch 1 and at batch 16: generated tokens / wall time of one generate call of
+    `--new-tokens` tokens (the prefill of the short prompts is inside that time, on both sides);
+  * prefill tok/s on a `--prefill-tokens` prompt: prompt tokens / wall time of a generate call that
+    makes one token;
+  * agentjax only: decode tok/s at batch 16 with numerics="batch_invariant" (its cost); how many of
+    16 prompts of different lengths get other greedy tokens in a batch than alone, in plain float32
+    ("fast") and in "batch_invariant"; and a first (cold, converting) against a second (warm,
+    cache-restoring) `LLM()` start, each in a fresh subprocess with its own empty AGENTJAX_CACHE.
+
+It prints a table and writes the section "## Generation (SmolLM2-135M, CPU)" of BENCHMARKS.md,
+replacing only that section. agentjax runs with numerics="fast" and prefix caching off (so repeated
+runs of one prompt are not served from cache).
+
+Usage:
+    python scripts/bench_generate.py --hf-python /tmp/hf-venv/bin/python
+    python scripts/bench_generate.py --runs 5 --no-write      # print only
+    python scripts/bench_generate.py --help
+
+The transformers venv (Python 3.11, CPU torch):
+    python3 -m venv /tmp/hf-venv && /tmp/hf-venv/bin/pip install torch==2.13.0 transformers accelerate gguf
+Without it the agentjax side still runs and the transformers column reads "not run".
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PEER = Path(__file__).resolve().parent / "bench_generate_hf_peer.py"
+SECTION = "## Generation (SmolLM2-135M, CPU)"
+VENV_HINT = (
+    "python3 -m venv /tmp/hf-venv && /tmp/hf-venv/bin/pip install torch==2.13.0 transformers accelerate gguf"
+)
+
+# Sixteen short instructions for the throughput batches (one each; batch 1 uses the first).
+REQUESTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash table handles collisions, with an example.",
+    "List five things to check before deploying a web service to production.",
+    "What causes the seasons on Earth? Answer for a ten-year-old.",
+    "Describe the water cycle in a few sentences.",
+    "Give me a recipe for a simple vegetable soup.",
+    "Summarise the plot of a detective novel you would like to read.",
+    "How does a binary search work, and when does it fail?",
+    "Write a polite email asking a colleague to review a pull request.",
+    "Why do programmers write unit tests? Give three reasons.",
+    "Describe a quiet morning in a small mountain village.",
+    "What is the difference between a process and a thread?",
+    "Suggest a plan for learning to play the guitar in three months.",
+    "Explain what a compiler does, step by step.",
+    "Write a haiku about autumn rain and then explain it.",
+    "How do bees make honey? Keep it short.",
+]
+
+# Filler for long prompts: a plain-English paragraph, repeated and cut to length.
+CONTEXT = (
+    "The old harbour town woke slowly. Fishing boats came in with the tide, gulls circled the market, "
+    "and the baker opened his shutters while the streets were still wet from the night rain. Children "
+    "ran past the church on their way to school, and the ferry to the island sounded its horn twice. "
+    "In the library on the hill, a retired engineer was sorting notes about the bridge he had built "
+    "forty years earlier: load tables, sketches of the foundations, letters from the council, and a "
+    "photograph of the opening day. He wanted to write down what had gone right, what had nearly gone "
+    "wrong, and what he would do differently if he were young again and the river were still wild. "
+)
+
+DIVERGENCE_LENGTHS = [3, 9, 14, 22, 31, 40, 52, 63, 77, 90, 108, 126, 149, 173, 201, 236]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-python", default="/tmp/hf-venv/bin/python",
+                        help="Python of the transformers venv (default /tmp/hf-venv/bin/python)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per figure, after one warm-up (default 3)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for each side (default 2)")
+    parser.add_argument("--batch", type=int, default=16, help="the large decode batch (default 16)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row (default 64)")
+    parser.add_argument("--prefill-tokens", type=int, default=1024, help="long prompt length (default 1024)")
+    parser.add_argument("--divergence-tokens", type=int, default=32,
+                        help="greedy tokens per prompt in the batch-vs-alone check (default 32)")
+    parser.add_argument("--output", type=Path, default=REPO / "BENCHMARKS.md", help="file to write the section to")
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    parser.add_argument("--skip-start", action="store_true", help="skip the cold/warm LLM() start timing")
+    parser.add_argument("--skip-divergence", action="store_true", help="skip the batch-vs-alone check")
+    return parser.parse_args()
+
+
+def limit_threads(threads: int) -> str:
+    """Pin this process (and so jax's thread pools) to `threads` CPUs; say what was done."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) > threads:
+        os.sched_setaffinity(0, allowed[:threads])
+        return f"pinned to CPUs {allowed[:threads]}"
+    return f"the process may use {len(allowed)} CPUs, no pinning needed"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ---- the transformers peer ---------------------------------------------------------------------
+class PeerError(RuntimeError):
+    pass
+
+
+class HfPeer:
+    """The transformers process: one JSON request a line in, one JSON reply a line out."""
+
+    def __init__(self, python: str, gguf: Path, threads: int):
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="bench-hf-peer-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [python, str(PEER), "--gguf", str(gguf), "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file, text=True, bufsize=1,
+        )
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self.log_file.seek(0)
+            tail = self.log_file.read()[-2000:]
+            raise PeerError(f"the transformers peer exited ({self.proc.returncode}); its log ends:\n{tail}")
+        return json.loads(line)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_new_tokens": new_tokens}) + "\n")
+        reply = self._read()
+        return reply["seconds"], reply["new_token_ids"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        os.unlink(self.log_file.name)
+
+
+# ---- LLM() start, cold and warm ------------------------------------------------------------------
+START_CHILD = """
+import json, time
+t0 = time.perf_counter()
+from agentjax.llm import LLM
+t1 = time.perf_counter()
+llm = LLM(None, numerics="fast")
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "llm_s": t2 - t1}))
+"""
+
+
+def time_starts() -> list[dict]:
+    """Two fresh subprocesses sharing one empty AGENTJAX_CACHE: the first converts, the second restores."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="agentjax-bench-cache-") as cache:
+        env = dict(os.environ, AGENTJAX_CACHE=cache)
+        for label in ("cold", "warm"):
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, "-c", START_CHILD], cwd=REPO, env=env,
+                                  capture_output=True, text=True)
+            wall = time.perf_counter() - started
+            if done.returncode:
+                raise RuntimeError(f"the {label} LLM() start failed:\n{done.stderr[-2000:]}")
+            figures = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
+            figures.update(label=label, process_s=wall,
+                           cache_entries=sorted(p.name for p in (Path(cache) / "converted").glob("*")))
+            results.append(figures)
+            log(f"LLM() {label}: {figures['llm_s']:.1f}s (+{figures['import_s']:.1f}s import, "
+                f"{wall:.1f}s whole process)")
+    return results
+
+
+# ---- prompts -----------------------------------------------------------------------------------
+def build_prompts(tokenizer, args: argparse.Namespace) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Token ids: the decode batch, the long prefill prompt, and the divergence prompts."""
+    requests = [tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+                for text in REQUESTS]
+    decode = [requests[i % len(requests)] for i in range(args.batch)]
+    context = tokenizer.encode(CONTEXT)
+    repeats = -(-max(args.prefill_tokens, max(DIVERGENCE_LENGTHS) + len(context)) // len(context)) + 1
+    stream = context * repeats
+    long_prompt = stream[: args.prefill_tokens]
+    divergence = []
+    for i, length in enumerate(DIVERGENCE_LENGTHS):
+        offset = (i * 37) % len(context)
+        divergence.append(stream[offset : offset + length] + requests[i % len(requests)])
+    return decode, long_prompt, divergence
+
+
+# ---- measurements ------------------------------------------------------------------------------
+@dataclass
+class Figure:
+    tokens: int
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def rates(self) -> list[float]:
+        return [self.tokens / s for s in self.seconds]
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.rates) if self.seconds else None
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(batch: list[list[int]], alone: list[list[int]]) -> dict:
+    firsts = [first_difference(x, y) for x, y in zip(batch, alone)]
+    differ = [(i, p) for i, p in enumerate(firsts) if p is not None]
+    return {"differ": len(differ), "of": len(batch), "first_positions": differ}
+
+
+def divergence(llm, prompts: list[list[int]], new_tokens: int) -> dict:
+    from agentjax import SamplingParams
+
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    batch = [o.token_ids for o in llm.generate(prompts, sp)]
+    alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    return compare(batch, alone)
+
+
+def fmt_rate(value: float | None) -> str:
+    return "not run" if value is None else f"{value:.1f}"
+
+
+def fmt_spread(fig: Figure) -> str:
+    if not fig.seconds:
+        return ""
+    rates = fig.rates
+    return f" ({min(rates):.1f}–{max(rates):.1f})" if len(rates) > 1 else ""
+
+
+def fmt_positions(result: dict | None, what: str = "differ") -> str:
+    if result is None:
+        return "not run"
+    text = f"{result['differ']} of {result['of']} {what}"
+    if result["first_positions"]:
+        text += "; first differing new token (prompt: position) " + ", ".join(
+            f"{i}: {p}" for i, p in result["first_positions"])
+    return text
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replace (or append) our section of `path`, keeping every other section as it is."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
+    if start is None:
+        new = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        kept_after = "\n".join(lines[end:])
+        new = "\n".join(lines[:start]).rstrip("\n")
+        new = (new + "\n\n" if new else "") + body.rstrip("\n") + "\n"
+        if kept_after:
+            new += "\n" + kept_after.rstrip("\n") + "\n"
+    path.write_text(new)
+
+
+def main() -> None:
+    args = parse_args()
+    pinning = limit_threads(args.threads)
+    load_start = os.getloadavg()
+    log(f"threads: {args.threads} ({pinning}); load average {load_start[0]:.1f}")
+
+    starts = None
+    if not args.skip_start:
+        log("timing a cold and a warm LLM() start in fresh subprocesses")
+        starts = time_starts()
+
+    import jax
+
+    from agentjax import LLM, SamplingParams
+    from checkpoints.embedded import smollm2_path
+
+    gguf = smollm2_path()
+    peer = None
+    peer_note = ""
+    if Path(args.hf_python).exists():
+        log(f"starting the transformers peer ({args.hf_python})")
+        try:
+            peer = HfPeer(args.hf_python, gguf, args.threads)
+            log(f"transformers {peer.info['transformers']}, torch {peer.info['torch']}, "
+                f"{peer.info['threads']} threads, loaded in {peer.info['load_s']:.1f}s")
+        except PeerError as exc:
+            peer_note = f"the transformers peer failed to start: {exc}"
+            log(peer_note)
+    else:
+        peer_note = f"no transformers venv at {args.hf_python}; create it with: {VENV_HINT}"
+        log(peer_note)
+
+    engine_args = dict(max_num_batched_tokens=2048, max_num_seqs=64, enable_prefix_caching=False)
+    llm = LLM(None, numerics="fast", **engine_args)
+    llm_bi = LLM(None, numerics="batch_invariant", **engine_args)
+    decode_prompts, long_prompt, divergence_prompts = build_prompts(llm.tokenizer, args)
+
+    sp_decode = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    sp_prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    cases = [  # name, prompts, sampling, generated or prompt tokens counted
+        ("decode_b1", decode_prompts[:1], sp_decode, args.new_tokens),
+        (f"decode_b{args.batch}", decode_prompts, sp_decode, args.batch * args.new_tokens),
+        ("prefill", [long_prompt], sp_prefill, len(long_prompt)),
+    ]
+    big = f"decode_b{args.batch}"
+    aj = {name: Figure(count) for name, _, _, count in cases}
+    hf = {name: Figure(count) for name, _, _, count in cases}
+    aj_bi = Figure(args.batch * args.new_tokens)
+    outputs: dict[str, tuple[list, list]] = {}
+
+    def run_aj(engine, prompts, sp) -> tuple[float, list[list[int]]]:
+        started = time.perf_counter()
+        outs = engine.generate(prompts, sp)
+        return time.perf_counter() - started, [o.token_ids for o in outs]
+
+    def run_hf(prompts, new_tokens) -> tuple[float, list[list[int]]] | None:
+        nonlocal peer, peer_note
+        if peer is None:
+            return None
+        try:
+            return peer.generate(prompts, new_tokens)
+        except PeerError as exc:
+            peer_note = f"the transformers peer failed mid-run: {exc}"
+            log(peer_note)
+            peer = None
+            return None
+
+    shapes_after_warmup: dict[str, int] = {}
+    for round_no in range(args.runs + 1):
+        warm = round_no == 0
+        log("warm-up round (untimed)" if warm else f"timed round {round_no} of {args.runs}")
+        for name, prompts, sp, _count in cases:
+            got_hf = run_hf(prompts, sp.max_tokens)
+            seconds, tokens = run_aj(llm, prompts, sp)
+            bi = run_aj(llm_bi, prompts, sp) if name == big else None
+            if warm:
+                outputs[name] = (tokens, got_hf[1] if got_hf else None)
+                continue
+            aj[name].seconds.append(seconds)
+            if got_hf:
+                hf[name].seconds.append(got_hf[0])
+            if bi:
+                aj_bi.seconds.append(bi[0])
+            log(f"  {name}: agentjax {aj[name].tokens / seconds:.1f} tok/s"
+                + (f", transformers {hf[name].tokens / got_hf[0]:.1f} tok/s" if got_hf else "")
+                + (f", agentjax batch_invariant {aj_bi.tokens / bi[0]:.1f} tok/s" if bi else ""))
+        if warm:
+            shapes_after_warmup = {"fast": len(llm.engine.runner.compiled_shapes),
+                                   "batch_invariant": len(llm_bi.engine.runner.compiled_shapes)}
+    shapes_after_timing = {"fast": len(llm.engine.runner.compiled_shapes),
+                           "batch_invariant": len(llm_bi.engine.runner.compiled_shapes)}
+    hf_info = peer.info if peer else None
+    if peer:
+        peer.close()
+
+    agreement = {}
+    for name, (ours, theirs) in outputs.items():
+        if theirs is not None and name != "prefill":
+            agreement[name] = compare(ours, theirs)
+
+    div_fast = div_bi = None
+    if not args.skip_divergence:
+        log(f"batch-vs-alone check: {len(divergence_prompts)} prompts of "
+            f"{min(map(len, divergence_prompts))}-{max(map(len, divergence_prompts))} tokens, "
+            f"{args.divergence_tokens} greedy tokens")
+        div_fast = divergence(llm, divergence_prompts, args.divergence_tokens)
+        log(f"  fast: {fmt_positions(div_fast)}")
+        div_bi = divergence(llm_bi, divergence_prompts, args.divergence_tokens)
+        log(f"  batch_invariant: {fmt_positions(div_bi)}")
+
+    # ---- report ----
+    load_end = os.getloadavg()
+    labels = {
+        "decode_b1": f"Decode tok/s, batch 1 ({args.new_tokens} new tokens)",
+        big: f"Decode tok/s, batch {args.batch} ({args.new_tokens} new tokens each)",
+        "prefill": f"Prefill tok/s, {len(long_prompt)}-token prompt",
+    }
+    rows = []
+    for name, *_ in cases:
+        a, h = aj[name].median, hf[name].median
+        ratio = f"{a / h:.2f}x" if a and h else "—"
+        rows.append(f"| {labels[name]} | {fmt_rate(a)}{fmt_spread(aj[name])} | "
+                    f"{fmt_rate(h)}{fmt_spread(hf[name])} | {ratio} |")
+    fast_big, bi_big = aj[big].median, aj_bi.median
+    if hf_info is None and not peer_note:
+        peer_note = "the transformers peer did not run"
+    versions = (f"Python {platform.python_version()}, jax {jax.__version__}"
+                + (f"; transformers side: Python {hf_info['python']}, torch {hf_info['torch']}, "
+                   f"transformers {hf_info['transformers']}" if hf_info else ""))
+    command = "python scripts/bench_generate.py " + shlex.join(sys.argv[1:])
+    lines = [
+        SECTION,
+        "",
+        f"Written by `scripts/bench_generate.py` on {datetime.date.today().isoformat()}. Command:",
+        "",
+        f"    {command.strip()}",
+        "",
+        f"Machine: {len(os.sched_getaffinity(0))} CPUs usable (`nproc` {os.cpu_count()}), {cpu_model()}; "
+        f"{versions}. Shared with other jobs: load average {load_start[0]:.1f} at the start, "
+        f"{load_end[0]:.1f} at the end, so figures are noisy.",
+        "",
+        f"Both sides: SmolLM2-135M-Instruct from the same GGUF file (`{gguf.name}`, dequantised to float32), "
+        f"the same prompt token ids, greedy, no early stop, {args.threads} threads each. transformers: "
+        f"`from_pretrained(gguf_file=...)`, `generate(do_sample=False, eos_token_id=[])`, "
+        f"default KV cache, batch left-padded. agentjax: `LLM(numerics=\"fast\", max_num_batched_tokens=2048, "
+        f"max_num_seqs=64, enable_prefix_caching=False)`. Decode tok/s = generated tokens / wall time of the "
+        f"whole generate call (the short prompts' prefill included); prefill tok/s = prompt tokens / wall time "
+        f"of a generate call making 1 token. Each figure is the median of {args.runs} runs (range in brackets) "
+        f"after one untimed warm-up; the two sides alternate run by run.",
+        "",
+        "| What | agentjax | transformers | agentjax / transformers |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        "agentjax only:",
+        "",
+        "| What | Result |",
+        "|---|---|",
+        f"| Decode tok/s, batch {args.batch}, numerics=\"batch_invariant\" vs \"fast\" | "
+        f"{fmt_rate(bi_big)}{fmt_spread(aj_bi)} vs {fmt_rate(fast_big)}"
+        + (f" ({bi_big / fast_big:.2f}x of fast)" if bi_big and fast_big else "") + " |",
+        f"| Greedy tokens batched vs alone, float32 \"fast\" ({len(divergence_prompts)} prompts of "
+        f"{min(map(len, divergence_prompts))}-{max(map(len, divergence_prompts))} tokens, "
+        f"{args.divergence_tokens} new tokens) | {fmt_positions(div_fast)} |",
+        f"| Same, \"batch_invariant\" | {fmt_positions(div_bi)} |",
+    ]
+    for name, result in agreement.items():
+        lines.append(f"| Same greedy tokens as transformers, {labels[name].split(', ', 1)[1]} | "
+                     f"{fmt_positions(result, 'differ from transformers')} |")
+    lines.append(f"| Compiled step shapes after warm-up → after timed runs (fast; batch_invariant) | "
+                 f"{shapes_after_warmup['fast']} → {shapes_after_timing['fast']}; "
+                 f"{shapes_after_warmup['batch_invariant']} → {shapes_after_timing['batch_invariant']} |")
+    if starts:
+        cold, warm = starts
+        lines.append(
+            f"| `LLM()` start, fresh process and empty AGENTJAX_CACHE: first (converts GGUF, caches) vs "
+            f"second (restores) | {cold['llm_s']:.1f}s vs {warm['llm_s']:.1f}s "
+            f"(plus {cold['import_s']:.1f}s / {warm['import_s']:.1f}s import; whole process "
+            f"{cold['process_s']:.1f}s / {warm['process_s']:.1f}s) |")
+    if peer_note:
+        lines += ["", f"Note: {peer_note.splitlines()[0]}"]
+    body = "\n".join(lines) + "\n"
+    print()
+    print(body)
+    if not args.no_write:
+        write_section(args.output, body)
+        log(f"wrote the section to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The HF transformers side of `scripts/bench_generate.py`; runs in its own Python with torch.
+
+It loads SmolLM2 from the same GGUF file as agentjax (`gguf_file=`, dequantised to float32), then
+answers requests on stdin, one JSON object a line, with one JSON line each on stdout:
+
+    {"op": "generate", "prompts": [[ids...], ...], "max_new_tokens": 64}
+        -> {"seconds": wall time of model.generate, "new_token_ids": [[...], ...]}
+    {"op": "quit"}
+
+The first line it writes is {"ready": true, ...versions...}. Prompts are token ids, so both sides
+see the same ids; a batch is left-padded with an attention mask. Decoding is greedy
+(`do_sample=False`) with the default KV cache of `generate`, and with no stop token
+(`eos_token_id=[]`), so every row makes the full count like agentjax's `ignore_eos=True`.
+(`min_new_tokens` would also make the full count, but it masks the EOS logit and so changes
+which tokens greedy picks.) Everything else it prints goes to stderr.
+
+Usage (normally started by bench_generate.py):
+    /tmp/hf-venv/bin/python scripts/bench_generate_hf_peer.py --gguf PATH --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", required=True, help="path of the GGUF file to load")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    args = parser.parse_args()
+
+    # Replies go to the original stdout; anything libraries print goes to stderr.
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) > args.threads:
+        os.sched_setaffinity(0, allowed[: args.threads])
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    directory, name = os.path.split(os.path.abspath(args.gguf))
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - started
+    config = model.generation_config
+    pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    if isinstance(pad_id, list):
+        pad_id = pad_id[0]
+    replies.write(json.dumps({
+        "ready": True,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(next(model.parameters()).dtype),
+        "load_s": load_s,
+    }) + "\n")
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "quit":
+            break
+        prompts = request["prompts"]
+        new_tokens = int(request["max_new_tokens"])
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt):] = 1
+        with torch.inference_mode():
+            started = time.perf_counter()
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=[],
+                pad_token_id=pad_id,
+            )
+            seconds = time.perf_counter() - started
+        replies.write(json.dumps({"seconds": seconds, "new_token_ids": output[:, width:].tolist()}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
