@@ -16,6 +16,9 @@ from jaxtyping import Array, Float, Int
 # so XLA emits the same arithmetic for each row. Measured on XLA's CPU backend for 8..64.
 INVARIANT_ROW_BLOCK = 8
 
+# Query tokens per block in the fast path: a block inside one sequence shares its page gathers.
+FAST_QUERY_BLOCK = 64
+
 # Finite stand-in for -inf in the running max: a fully masked block then leaves the
 # accumulators exactly unchanged (exp(-inf - finite) == 0, exp(0) == 1) instead of making NaN.
 _NEG_LARGE = -1e30
@@ -57,7 +60,7 @@ def attend_paged(
     q: Float[Array, "tokens heads dim"],
     kv_pages: Float[Array, "layers pages page_size kv2 dim"],
     layer: int,
-    token_page_table: Int[Array, "tokens max_pages"],
+    token_page_table: Int[Array, "tokens max_pages"] | Int[Array, " max_pages"],
     token_positions: Int[Array, " tokens"],
     *,
     sm_scale: float,
@@ -68,18 +71,21 @@ def attend_paged(
 
     `token_page_table[t]` is the page table of token t's sequence (padded with page 0) and
     `token_positions[t]` its position; key j is visible when `j <= pos` and, with a window W,
-    `j > pos - W`. Streams `pages_per_block` pages per iteration with an online softmax.
+    `j > pos - W`. Streams `pages_per_block` pages per iteration with an online softmax. A 1-D
+    `token_page_table` is one table shared by every token (tokens of one sequence): its pages
+    are then gathered once, not once per token.
     """
+    shared = token_page_table.ndim == 1
     num_tokens, num_heads, dim = q.shape
     _, _, page_size, kv2, _ = kv_pages.shape
     num_kv_heads = kv2 // 2
     group = num_heads // num_kv_heads
-    max_pages = token_page_table.shape[1]
+    max_pages = token_page_table.shape[-1]
     pages_per_block = max(1, min(pages_per_block, max_pages))
     pad = (-max_pages) % pages_per_block
     if pad:
-        token_page_table = jnp.pad(token_page_table, ((0, 0), (0, pad)))
-    num_blocks = token_page_table.shape[1] // pages_per_block
+        token_page_table = jnp.pad(token_page_table, [(0, 0)] * (token_page_table.ndim - 1) + [(0, pad)])
+    num_blocks = token_page_table.shape[-1] // pages_per_block
     block_tokens = pages_per_block * page_size
 
     qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, dim)
@@ -94,20 +100,24 @@ def attend_paged(
 
     def attend_block(block, carry):
         m, denom, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, 1)
-        kv = kv_pages[layer, pages].reshape(num_tokens, block_tokens, kv2, dim).astype(jnp.float32)
+        pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, -1)
+        if shared:
+            kv = kv_pages[layer, pages].reshape(1, block_tokens, kv2, dim).astype(jnp.float32)
+        else:
+            kv = kv_pages[layer, pages].reshape(num_tokens, block_tokens, kv2, dim).astype(jnp.float32)
         k, v = kv[:, :, :num_kv_heads], kv[:, :, num_kv_heads:]
         key_pos = block * block_tokens + offsets
         visible = key_pos[None, :] <= token_positions[:, None]
         if sliding_window is not None:
             visible &= key_pos[None, :] > (token_positions[:, None] - sliding_window)
-        scores = jnp.einsum("thgd,tshd->thgs", qg, k)
+        scores = jnp.einsum("thgd,ushd->thgs", qg, k) if shared else jnp.einsum("thgd,tshd->thgs", qg, k)
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(scores - m_new[..., None])
         denom = denom * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("thgs,tshd->thgd", p, v)
+        update = jnp.einsum("thgs,ushd->thgd", p, v) if shared else jnp.einsum("thgs,tshd->thgd", p, v)
+        acc = acc * alpha[..., None] + update
         return m_new, denom, acc
 
     init = (
@@ -158,7 +168,16 @@ def ragged_paged_attention(
 
     token_tables = page_indices[token_seq_ids]
     if batch_invariant:
-        out = map_row_blocks(attend, q, token_tables, token_positions)
-    else:
-        out = attend(q, token_tables, token_positions)
+        return map_row_blocks(attend, q, token_tables, token_positions), kv_pages
+
+    def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
+        # A block of one sequence's tokens (a prefill chunk) gathers its pages once.
+        return jax.lax.cond(
+            jnp.all(seq_rows == seq_rows[0]),
+            lambda: attend(q_rows, table_rows[0], position_rows),
+            lambda: attend(q_rows, table_rows, position_rows),
+        )
+
+    block = min(FAST_QUERY_BLOCK, q.shape[0])
+    out = map_row_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids, block=block)
     return out, kv_pages
