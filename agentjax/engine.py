@@ -18,7 +18,7 @@ from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongE
 from agentjax.kv import KVCacheManager
 from agentjax.runner.model_runner import ModelRunner
 from agentjax.sampling_params import SamplingParams
-from agentjax.scheduler.request import AgentHints, Request, RequestState, Session
+from agentjax.scheduler.request import AgentHints, EngineOutput, Request, RequestState
 from agentjax.scheduler.scheduler import Scheduler, SchedulerOutput
 from agentjax.scheduler.sessions import SessionTable
 
@@ -26,18 +26,6 @@ logger = logging.getLogger(__name__)
 
 # Latency samples kept for percentiles (the server exports its own histograms).
 LATENCY_WINDOW = 10_000
-
-
-@dataclass(frozen=True)
-class EngineOutput:
-    """What one step produced for one request: its new tokens and, when done, why it stopped."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    num_prompt_tokens: int
 
 
 @dataclass

@@ -45,7 +45,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from agentjax.errors import InvalidRequestError, OutOfPagesError
+from agentjax.errors import InvalidRequestError
 from agentjax.kv.block_pool import BlockPool, EvictionOrder, PinnedEvictionOrder
 from agentjax.kv.groups import CheckpointGroup, GroupManager, GroupTable, make_group_manager
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32

@@ -6,7 +6,6 @@ on CPU; the kernel where `ModelConfig.attention_impl` asks for it).
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 from typing import TYPE_CHECKING
 
 from flax import nnx

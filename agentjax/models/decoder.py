@@ -7,9 +7,9 @@ inputs: no global state, so `jax.jit`, `jax.grad` and `jax.vmap` apply.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 from typing import TYPE_CHECKING
 
+import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 

@@ -92,11 +92,6 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def is_prefilling(self) -> bool:
-        """True while tokens the model has not seen remain besides the last sampled one."""
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
-
-    @property
     def is_finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 
@@ -112,3 +107,15 @@ class Session:
     pin_expires_at: float | None = None
     pinned_until_end: bool = False
     ended: bool = False
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What one engine step produced for one request: its new tokens and, when done, why it stopped."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    num_prompt_tokens: int

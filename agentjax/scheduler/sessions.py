@@ -13,6 +13,9 @@ from agentjax.scheduler.request import DEFAULT_SESSION_TTL_S, AgentHints, Reques
 class SessionTable:
     """Sessions by id, with their pins in the KV manager."""
 
+    # Past this many tracked sessions, sessions idle for four default TTLs are forgotten.
+    MAX_TRACKED_SESSIONS = 4096
+
     def __init__(self, kv: KVCacheManager, default_ttl_s: float = DEFAULT_SESSION_TTL_S):
         self.kv = kv
         self.default_ttl_s = default_ttl_s
@@ -26,6 +29,8 @@ class SessionTable:
         return session
 
     def on_turn_start(self, session_id: str, request: Request, hints: AgentHints | None) -> None:
+        if len(self.sessions) > self.MAX_TRACKED_SESSIONS:
+            self.expire_idle(4 * self.default_ttl_s)
         session = self.get(session_id)
         session.request_ids.append(request.request_id)
         session.last_activity = self.clock()

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from agentjax.errors import InvalidRequestError, PromptTooLongError
+from agentjax.scheduler.request import EngineOutput
 
 EOS = 0
 
@@ -28,18 +29,6 @@ class FakeTokenizer:
 
     def encode_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
-
-
-@dataclass(frozen=True)
-class EngineOutput:
-    """Same fields as `agentjax.engine.EngineOutput` (imported there with jax)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int
-    num_prompt_tokens: int
 
 
 @dataclass
