@@ -21,6 +21,7 @@ from agentjax.sampling_params import SamplingParams
 from agentjax.scheduler.request import AgentHints, EngineOutput, Request, RequestState
 from agentjax.scheduler.scheduler import Scheduler, SchedulerOutput
 from agentjax.scheduler.sessions import SessionTable
+from agentjax.structured.backend import GrammarBackend, all_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.num_steps = 0
+        self._grammar: GrammarBackend | None = None
 
     def _pages_for_memory(self, cfg: EngineConfig) -> int:
         page_bytes = self.model_cfg.kv_bytes_per_token() * cfg.block_size
@@ -99,7 +101,11 @@ class Engine:
         priority: int = 0,
         hints: AgentHints | None = None,
         cache_salt: str | None = None,
+        pin_prefixes: Sequence[tuple[int, float]] = (),
     ) -> str:
+        """Queue one request. `pin_prefixes` lists `(num_tokens, ttl_s)` prompt prefixes the client
+        will send again (Anthropic `cache_control` marks): their pages stay pinned for `ttl_s` after
+        this turn ends."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
@@ -126,17 +132,33 @@ class Engine:
         stops = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stops |= set(self._eos_token_ids())
+        for num_tokens, ttl_s in pin_prefixes:
+            if not 0 < num_tokens <= len(prompt) or not ttl_s > 0:
+                raise InvalidRequestError(f"a pinned prefix must be 1..{len(prompt)} tokens with a positive TTL; "
+                                          f"got {num_tokens} tokens for {ttl_s} s")
         request = Request(
             request_id, prompt, sampling, frozenset(stops), session_id=session_id, priority=priority,
             hints=hints, cache_salt=cache_salt, arrival_index=next(self._arrivals),
             seed=sampling.seed if sampling.seed is not None else (self.config.seed + len(self.requests)) % 2**32,
+            pin_prefixes=tuple((int(n), float(t)) for n, t in pin_prefixes),
         )
+        if sampling.structured is not None:
+            request.matcher = self.grammar.new_matcher(sampling.structured)
         self.requests[request_id] = request
         if session_id is not None:
             self.sessions.on_turn_start(session_id, request, hints)
         self.scheduler.add(request)
         self.metrics.prompt_tokens_total += len(prompt)
         return request_id
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The structured-output backend, built on first use (it needs the tokenizer)."""
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer; this engine has none")
+            self._grammar = GrammarBackend(self.tokenizer, self.model_cfg.vocab_size, self._eos_token_ids())
+        return self._grammar
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         if self.tokenizer is not None:
@@ -168,15 +190,21 @@ class Engine:
             if self.scheduler.running or (self.scheduler.num_waiting and plan.admissions_allowed):
                 raise OutOfPagesError("no request can be scheduled: the KV pool is too small for what waits")
             return []
-        rows, sampling = [], []
-        for item in plan.scheduled:
+        rows, sampling, constrained = [], [], []
+        for row, item in enumerate(plan.scheduled):
             request = item.request
             start = request.num_computed_tokens
             pages = self.kv.block_ids(request.request_id)[0]
             rows.append((request.all_token_ids[start : start + item.num_new_tokens], start, pages))
             sp = request.sampling
             sampling.append((sp.temperature, sp.top_k, sp.top_p, request.seed, len(request.output_token_ids)))
-        tokens = self.runner.execute(rows, sampling)
+            if request.matcher is not None and start + item.num_new_tokens >= request.num_tokens:
+                constrained.append((request.matcher, row))  # this row's token is kept: constrain it
+        bitmask = None
+        if constrained:
+            bitmask = all_allowed(len(rows), self.model_cfg.vocab_size)
+            self.grammar.fill_bitmask(bitmask, constrained)
+        tokens = self.runner.execute(rows, sampling, bitmask)
         self.num_steps += 1
         now = time.monotonic()
         produced = self.scheduler.update_from_output(plan, tokens.tolist())
@@ -184,6 +212,9 @@ class Engine:
 
     def _on_token(self, request: Request, token: int, now: float) -> EngineOutput:
         self.metrics.generation_tokens_total += 1
+        if request.matcher is not None and not request.matcher.consume_token(token):
+            logger.error("request %s: sampled token %d broke its grammar (%s)", request.request_id, token,
+                         request.matcher.get_error())
         if request.first_token_time is None:
             request.first_token_time = now
             self.metrics.ttft_s.append(now - request.arrival_time)
@@ -203,6 +234,8 @@ class Engine:
         generated = len(request.output_token_ids)
         if generated >= sp.min_tokens and request.output_token_ids[-1] in request.stop_token_ids:
             return "stop"
+        if request.matcher is not None and (request.matcher.is_stopped() or request.matcher.is_error()):
+            return "stop"  # the grammar is complete: only end-of-sequence could follow
         if sp.stop and self.tokenizer is not None and generated >= sp.min_tokens:
             text = self.tokenizer.decode(request.output_token_ids)
             if any(stop in text for stop in sp.stop):
@@ -216,6 +249,10 @@ class Engine:
         request.state = RequestState.FINISHED
         if request.session_id is not None:
             self.sessions.on_turn_end(request)
+        for num_tokens, ttl_s in request.pin_prefixes:
+            prefix = request.prompt_token_ids[:num_tokens]
+            self.kv.pin_prefix(("prefix", request.cache_salt, num_tokens, hash(tuple(prefix))), prefix,
+                               ttl_s=ttl_s, cache_salt=request.cache_salt)
         self.scheduler.remove(request)
         self.requests.pop(request.request_id, None)
         self.metrics.requests_finished += 1

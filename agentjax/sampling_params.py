@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from agentjax.errors import InvalidRequestError
+from agentjax.structured.spec import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Constrain the output to a JSON schema, any JSON object, a Lark grammar or a regex.
+    structured: StructuredOutput | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +45,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise InvalidRequestError(f"seed must be in [0, 2**32), got {self.seed}")
 

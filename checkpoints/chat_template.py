@@ -16,6 +16,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from agentjax.errors import TokenizerError
+from checkpoints.tool_prompt import fold_tools, needs_tool_folding, template_supports_tools
 
 # Gemma-3's instruction-tuned template, as published with google/gemma-3-*-it: the system prompt is
 # folded into the first user turn, and the assistant's role is called "model".
@@ -108,13 +109,22 @@ class ChatTemplate:
             self._template = _new_environment().from_string(source)
         except jinja2.exceptions.TemplateError as error:
             raise TokenizerError(f"the chat template does not compile: {error}") from error
+        self.supports_tools = template_supports_tools(source)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, special_tokens: Mapping[str, str | None],
                add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None,
                **kwargs: Any) -> str:
-        """The prompt text; `special_tokens` supplies `bos_token`, `eos_token` and the like."""
+        """The prompt text; `special_tokens` supplies `bos_token`, `eos_token` and the like.
+
+        A template without tool support gets the tools, tool calls and tool results folded into
+        plain messages (`checkpoints.tool_prompt`)."""
         if not messages:
             raise TokenizerError("apply_chat_template needs at least one message; got none")
+        if not self.supports_tools and needs_tool_folding(messages, tools):
+            try:
+                messages, tools = fold_tools(messages, tools), None
+            except (TypeError, KeyError, AttributeError) as error:
+                raise TokenizerError(f"tool calls or tools are malformed: {type(error).__name__}: {error}") from error
         plain_messages = [dict(message) for message in messages]
         for index, message in enumerate(plain_messages):
             if "role" not in message:

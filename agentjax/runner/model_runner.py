@@ -46,13 +46,17 @@ class ModelRunner:
         self,
         rows: Sequence[tuple[Sequence[int], int, Sequence[int]]],
         sampling: Sequence[tuple[float, int, float, int, int]],
+        token_bitmask: np.ndarray | None = None,
     ) -> np.ndarray:
         """Run rows of `(new_tokens, num_computed, page_table)`; `sampling` per row is
-        `(temperature, top_k, top_p, seed, num_generated)`. Returns a token per row."""
+        `(temperature, top_k, top_p, seed, num_generated)`; `token_bitmask` (`[rows, words]`,
+        optional) limits each row's tokens. Returns a token per row."""
         batch = RaggedBatch.build(rows, self.page_size)
         num_rows = batch.num_seqs
         greedy_only = all(s[0] == 0.0 for s in sampling)
-        meta = SamplingMetadata.greedy(num_rows)
+        meta = SamplingMetadata.greedy(num_rows, self.cfg.vocab_size)
+        if token_bitmask is not None:
+            meta.token_bitmask[: len(rows)] = token_bitmask
         if not greedy_only:
             for row, (temperature, top_k, top_p, seed, generated) in enumerate(sampling):
                 meta.temperature[row] = temperature

@@ -1,7 +1,9 @@
 """Token sampling on the device: greedy, temperature, top-k and top-p, seeded per request.
 
 Each row draws with the key `fold_in(PRNGKey(seed), num_generated)`, so a request's samples do
-not depend on which other requests share the batch. Stop conditions are checked on the host.
+not depend on which other requests share the batch. A per-row token bitmask (structured output)
+comes in as an input array: all ones for free rows, so constraining a request never recompiles.
+Stop conditions are checked on the host.
 """
 from __future__ import annotations
 
@@ -23,16 +25,26 @@ class SamplingMetadata:
     top_p: np.ndarray  # [B] float32; 1 means off
     seeds: np.ndarray  # [B] uint32
     num_generated: np.ndarray  # [B] int32: tokens the row has sampled so far
+    token_bitmask: np.ndarray  # [B, ceil(vocab / 32)] int32: bit t of a row set = token t allowed
 
     @staticmethod
-    def greedy(num_rows: int) -> "SamplingMetadata":
+    def greedy(num_rows: int, vocab_size: int) -> "SamplingMetadata":
         return SamplingMetadata(
             temperature=np.zeros(num_rows, np.float32),
             top_k=np.zeros(num_rows, np.int32),
             top_p=np.ones(num_rows, np.float32),
             seeds=np.zeros(num_rows, np.uint32),
             num_generated=np.zeros(num_rows, np.int32),
+            token_bitmask=np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32),
         )
+
+
+def apply_token_bitmask(logits: Float[Array, "rows vocab"], bitmask: Int[Array, "rows words"]) -> Float[Array, "rows vocab"]:
+    """Disallowed tokens get -inf; a row of all ones leaves its logits bit-identical."""
+    token = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    words = jnp.take(bitmask, token // 32, axis=1)
+    allowed = ((words >> (token % 32)) & 1).astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _filter_top_k_top_p(logits: Float[Array, " vocab"], top_k: Array, top_p: Array) -> Float[Array, " vocab"]:

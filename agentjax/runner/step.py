@@ -16,7 +16,7 @@ from flax import nnx
 from agentjax.config import ModelConfig
 from agentjax.models.params import split_model
 from agentjax.runner.batch import RaggedBatch
-from agentjax.runner.sampler import SamplingMetadata, sample_tokens
+from agentjax.runner.sampler import SamplingMetadata, apply_token_bitmask, sample_tokens
 
 
 def make_forward(cfg: ModelConfig, numerics: str = "fast") -> Callable:
@@ -62,7 +62,8 @@ def make_step(cfg: ModelConfig, numerics: str = "fast", all_positions: bool = Fa
 def make_sampling_step(cfg: ModelConfig, numerics: str = "fast", greedy_only: bool = False) -> Callable:
     """Jitted `(params, kv_pages, batch, sampling) -> (tokens [B], kv_pages)`, KV pages donated.
 
-    `greedy_only` compiles a variant that skips the sort behind top-k/top-p. Cached per config,
+    `greedy_only` compiles a variant that skips the sort behind top-k/top-p. Both apply the
+    sampling metadata's token bitmask first. Cached per config,
     so engines over the same model share compiled executables.
     """
     forward = make_forward(cfg, numerics)
@@ -71,6 +72,7 @@ def make_sampling_step(cfg: ModelConfig, numerics: str = "fast", greedy_only: bo
     def step(params, kv_pages, batch: RaggedBatch, sampling: SamplingMetadata):
         hidden, kv_pages = forward(params, kv_pages, batch)
         logits = logits_fn(params, jnp.take(hidden, batch.logits_indices, axis=0))
+        logits = apply_token_bitmask(logits, sampling.token_bitmask)
         if greedy_only:
             tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:

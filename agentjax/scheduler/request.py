@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from agentjax.errors import InvalidRequestError
 from agentjax.sampling_params import SamplingParams
@@ -78,6 +78,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # -1 until the first admission looks up the prefix cache
+    matcher: Any = None  # structured output: the grammar matcher of this request's output
+    # Prefixes the client marked for reuse, as (num_tokens, ttl_s): pinned when the turn ends.
+    pin_prefixes: tuple[tuple[int, float], ...] = ()
     num_preemptions: int = 0
     finish_reason: str | None = None
     first_token_time: float | None = None

@@ -48,8 +48,21 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    arguments: str = "{}"
+
+
+class ToolCallModel(OpenAIModel):
+    """A call the assistant made, as a client sends it back in the conversation."""
+
+    id: str = Field(max_length=MAX_ID_LENGTH)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """One message; extra fields (tool_calls, reasoning...) pass through to the chat template."""
+    """One message; extra fields (reasoning...) pass through to the chat template."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -57,6 +70,40 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallModel] | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=MAX_ID_LENGTH, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = Field(None, max_length=MAX_ID_LENGTH)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -88,8 +135,10 @@ class SamplingFields(OpenAIModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1)]
@@ -120,6 +169,7 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallModel] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -141,6 +191,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -22,7 +22,17 @@ from agentjax.sampling_params import SamplingParams
 from agentjax.scheduler.request import AgentHints
 from agentjax.server.async_engine import AsyncEngine, RequestStream
 from agentjax.server.errors import APIError, ClientDisconnectedError, ModelNotFoundError
-from agentjax.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, SamplingFields
+from agentjax.server.chat_path import ChatInput, ChatPath, ChatRun, TextDelta, ToolCallDelta, ToolChoice
+from agentjax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    NamedToolChoice,
+    ResponseFormat,
+    SamplingFields,
+)
+from agentjax.server.tool_parsers import ToolCall
+from agentjax.structured.spec import StructuredOutput
 from agentjax.server.text import StopTextBuffer, apply_stop, chat_messages
 from checkpoints.tokenizer import IncrementalDetokenizer
 
@@ -70,9 +80,10 @@ class OpenAIServing:
     """Serves `/v1/chat/completions` and `/v1/completions` on one `AsyncEngine`."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, limits: ServerLimits,
-                 model_aliases: tuple[str, ...] = ()):
+                 model_aliases: tuple[str, ...] = (), chat_path: ChatPath | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.chat_path = chat_path or ChatPath(engine, tokenizer, max_tokens_limit=limits.max_tokens_limit)
         self.model_name = model_name
         self.model_names = {model_name, *model_aliases}
         self.limits = limits
@@ -96,14 +107,7 @@ class OpenAIServing:
         return None
 
     def sampling_of(self, body: SamplingFields, requested: int | None, prompt_len: int) -> SamplingParams:
-        limit = self.limits.max_tokens_limit
-        if requested is None:
-            max_tokens = max(1, min(limit, self.engine.max_model_len - prompt_len))
-        elif requested > limit:
-            raise APIError(f"max_tokens={requested} exceeds this server's limit of {limit} tokens "
-                           f"(--max-tokens-limit)", param="max_tokens", code="max_tokens_too_large")
-        else:
-            max_tokens = requested
+        max_tokens = self.chat_path.max_tokens_for(requested, prompt_len)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(s for s in body.stop or () if s)
         return SamplingParams(
             max_tokens=max_tokens,
@@ -159,32 +163,44 @@ class OpenAIServing:
         return token_ids, finish_reason, cached, prompt_len
 
     # ---- chat ---------------------------------------------------------------------------------
+    def chat_input_of(self, body: ChatCompletionRequest) -> ChatInput:
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+        choice = body.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            tool_choice = ToolChoice("function", choice.function.name)
+        else:
+            tool_choice = ToolChoice(choice or ("auto" if tools else "none"))
+        return ChatInput(chat_messages(body.messages), tools, tool_choice, body.parallel_tool_calls,
+                         structured_output_of(body.response_format))
+
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_request(body)
-        tools = body.tools or None
-        prompt = self.tokenizer.encode_chat(chat_messages(body.messages), add_generation_prompt=True, tools=tools)
+        chat = self.chat_input_of(body)
+        self.chat_path.check_tools(chat)
+        prompt = self.chat_path.prompt_ids(chat)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = self.sampling_of(body, requested, len(prompt))
         session_id = self.session_id_of(body, request)
-        stream = await self.engine.add_request(prompt, sampling, **self.engine_kwargs_of(body, session_id))
+        run = await self.chat_path.start(chat, sampling, prompt, **self.engine_kwargs_of(body, session_id))
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._chat_events(stream, response_id, body, sampling, len(prompt), include_usage, session_id)
-            return AbortOnCloseStreamingResponse(events, lambda: self.engine.abort(stream.request_id))
-        token_ids, reason, cached, _ = await self.collect(stream, request)
+            events = self._chat_events(run, response_id, body, include_usage, session_id)
+            return AbortOnCloseStreamingResponse(events, run.abort)
+        result = await run.collect(request)
         self.finish(body, session_id)
-        text = apply_stop(self.tokenizer.decode(token_ids), sampling.stop)
+        message = {"role": "assistant", "content": result.text if result.text or not result.tool_calls else None}
+        if result.tool_calls:
+            message["tool_calls"] = [_tool_call_json(call) for call in result.tool_calls]
+        done = result.finished
         return JSONResponse({
             "id": response_id, "object": "chat.completion", "created": _now(), "model": self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": reason, "logprobs": None}],
-            "usage": usage_of(len(prompt), len(token_ids), cached),
+            "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}],
+            "usage": usage_of(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
         })
 
-    async def _chat_events(self, stream: RequestStream, response_id: str, body: ChatCompletionRequest,
-                           sampling: SamplingParams, prompt_len: int, include_usage: bool,
-                           session_id: str | None) -> AsyncIterator[str]:
+    async def _chat_events(self, run: ChatRun, response_id: str, body: ChatCompletionRequest,
+                           include_usage: bool, session_id: str | None) -> AsyncIterator[str]:
         created = _now()
 
         def chunk(delta: dict, finish_reason: str | None = None) -> str:
@@ -196,20 +212,25 @@ class OpenAIServing:
             return sse(payload)
 
         yield chunk({"role": "assistant", "content": ""})
-        async for kind, value in self._text_deltas(stream, sampling):
-            if kind == "text":
-                yield chunk({"content": value})
-            elif kind == "error":
-                yield sse({"error": value})
-                break
-            else:
-                finish_reason, completion_tokens, cached = value
-                yield chunk({}, finish_reason)
-                if include_usage:
-                    yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                               "model": self.model_name, "choices": [],
-                               "usage": usage_of(prompt_len, completion_tokens, cached)})
-                self.finish(body, session_id)
+        try:
+            async for event in run.events():
+                if isinstance(event, TextDelta):
+                    yield chunk({"content": event.text})
+                elif isinstance(event, ToolCallDelta):
+                    call = event.call
+                    yield chunk({"tool_calls": [{"index": event.index, "id": call.id, "type": "function",
+                                                 "function": {"name": call.name, "arguments": ""}}]})
+                    yield chunk({"tool_calls": [{"index": event.index, "function": {"arguments": call.arguments}}]})
+                else:
+                    yield chunk({}, event.finish_reason)
+                    if include_usage:
+                        yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                                   "model": self.model_name, "choices": [],
+                                   "usage": usage_of(event.prompt_tokens, event.completion_tokens,
+                                                     event.cached_tokens)})
+                    self.finish(body, session_id)
+        except APIError as exc:
+            yield sse({"error": ErrorInfo(message=exc.message, type=exc.error_type, code=exc.code).model_dump()})
         yield "data: [DONE]\n\n"
 
     async def _text_deltas(self, stream: RequestStream, sampling: SamplingParams) -> AsyncIterator[tuple[str, object]]:
@@ -310,3 +331,19 @@ class OpenAIServing:
 
 def _now() -> int:
     return int(time.time())
+
+
+def _tool_call_json(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def structured_output_of(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    """OpenAI's `response_format` as a decoding constraint (`text`: none)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutput.json_object()
+    if response_format.json_schema is None:
+        raise APIError("response_format of type json_schema needs its json_schema", param="response_format")
+    schema = response_format.json_schema.schema_ or {"type": "object"}
+    return StructuredOutput.json_schema(schema)

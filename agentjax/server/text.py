@@ -31,9 +31,15 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict]:
     return plain
 
 
+def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
+    """(index, stop string) of the earliest stop string in `text`, or (-1, None)."""
+    found = [(i, s) for s in stops if s for i in (text.find(s),) if i >= 0]
+    return min(found) if found else (-1, None)
+
+
 def apply_stop(text: str, stops: Sequence[str]) -> str:
     """`text` cut before the earliest stop string it contains."""
-    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    cut, _ = find_stop(text, stops)
     return text if cut < 0 else text[:cut]
 
 
@@ -46,6 +52,7 @@ class StopTextBuffer:
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, delta: str, finished: bool) -> str:
         """The text that is now safe to send."""
@@ -53,9 +60,9 @@ class StopTextBuffer:
             return ""
         self.text += delta
         if self.stops:
-            cut = apply_stop(self.text, self.stops)
-            if len(cut) < len(self.text):
-                self.text, self.stopped, finished = cut, True, True
+            cut, self.matched = find_stop(self.text, self.stops)
+            if cut >= 0:
+                self.text, self.stopped, finished = self.text[:cut], True, True
         end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold)
         out = self.text[self.sent:end]
         self.sent = end
