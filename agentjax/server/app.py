@@ -1,9 +1,10 @@
-"""The FastAPI app: routes, the auth and body-size guard, and OpenAI-shaped errors.
+"""The FastAPI app: routes, the auth and body-size guard, and OpenAI- or Anthropic-shaped errors.
 
 `create_app(engine, tokenizer, ...)` wraps an `Engine` (or anything with its interface) in an
 `AsyncEngine` whose thread starts and stops with the app's lifespan. Every failure a client can
-cause becomes a 4xx with `{"error": {"message", "type", "param", "code"}}`; nothing it sends
-should produce a 5xx. Never imports jax.
+cause becomes a 4xx with `{"error": {"message", "type", "param", "code"}}`, or on `/v1/messages*`
+Anthropic's `{"type": "error", "error": {"type", "message"}}`; nothing it sends should produce a
+5xx. Never imports jax.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError, TokenizerError
+from agentjax.server import anthropic_protocol as anthropic
+from agentjax.server.anthropic_serving import AnthropicServing
 from agentjax.server.async_engine import AsyncEngine
 from agentjax.server.errors import APIError
 from agentjax.server.metrics import ServerMetrics
@@ -30,16 +33,23 @@ logger = logging.getLogger(__name__)
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429)
 }
+_ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": anthropic.AnthropicErrorResponse} for status in (400, 401, 404, 413, 429)
+}
 
 
 def error_response(status: int, message: str, error_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
+                   param: str | None = None, code: str | None = None, path: str = "") -> JSONResponse:
+    """The error body the route at `path` speaks: Anthropic's on /v1/messages*, else OpenAI's."""
+    if anthropic.is_messages_path(path):
+        return JSONResponse(anthropic.error_body(status, message), status_code=status)
     return JSONResponse({"error": {"message": message, "type": error_type, "param": param, "code": code}},
                         status_code=status)
 
 
 class RequestGuardMiddleware:
-    """Pure ASGI: bearer-token check on /v1 routes, and a cap on request body bytes (413)."""
+    """Pure ASGI: API key check on /v1 routes (`Authorization: Bearer` or Anthropic's `x-api-key`),
+    and a cap on request body bytes (413)."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -51,22 +61,22 @@ class RequestGuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                          "authentication_error", code="invalid_api_key")
-                await response(scope, receive, send)
-                return
+        path = scope["path"]
+        if self.api_key is not None and path.startswith("/v1") and not self._authorized(headers):
+            response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                      "or 'x-api-key: <key>'", "authentication_error", code="invalid_api_key",
+                                      path=path)
+            await response(scope, receive, send)
+            return
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 await error_response(400, f"Content-Length {declared.decode(errors='replace')!r} is not a "
-                                     "number")(scope, receive, send)
+                                     "number", path=path)(scope, receive, send)
                 return
             if int(declared) > self.max_body_bytes:
-                await self._too_large(int(declared))(scope, receive, send)
+                await error_response(413, self._message(int(declared)), code="request_too_large",
+                                     path=path)(scope, receive, send)
                 return
         received = 0
 
@@ -81,12 +91,15 @@ class RequestGuardMiddleware:
 
         await self.app(scope, counting_receive, send)
 
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
+
     def _message(self, size: int) -> str:
         return (f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes "
                 f"(--max-request-body-bytes)")
-
-    def _too_large(self, size: int) -> JSONResponse:
-        return error_response(413, self._message(size), code="request_too_large")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -111,44 +124,46 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    def failed(status: int, *args, **kwargs) -> JSONResponse:
+    def failed(request: Request, status: int, *args, **kwargs) -> JSONResponse:
         metrics.request_errors.labels(status=str(status)).inc()
-        return error_response(status, *args, **kwargs)
+        return error_response(status, *args, path=request.url.path, **kwargs)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError):
-        return failed(exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
+    async def api_error(request: Request, exc: APIError):
+        return failed(request, exc.status_code, exc.message, exc.error_type, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError):
+    async def validation_error(request: Request, exc: RequestValidationError):
+        if anthropic.is_messages_path(request.url.path):
+            return failed(request, 400, anthropic.validation_message(list(exc.errors())))
         message, param = _validation_message(exc)
-        return failed(400, message, param=param, code="invalid_request")
+        return failed(request, 400, message, param=param, code="invalid_request")
 
     @app.exception_handler(PromptTooLongError)
-    async def prompt_too_long(_: Request, exc: PromptTooLongError):
-        return failed(400, str(exc), param="messages", code="context_length_exceeded")
+    async def prompt_too_long(request: Request, exc: PromptTooLongError):
+        return failed(request, 400, str(exc), param="messages", code="context_length_exceeded")
 
     @app.exception_handler(InvalidRequestError)
-    async def invalid_request(_: Request, exc: InvalidRequestError):
-        return failed(400, str(exc), code="invalid_request")
+    async def invalid_request(request: Request, exc: InvalidRequestError):
+        return failed(request, 400, str(exc), code="invalid_request")
 
     @app.exception_handler(TokenizerError)
-    async def tokenizer_error(_: Request, exc: TokenizerError):
-        return failed(400, str(exc), param="messages", code="invalid_prompt")
+    async def tokenizer_error(request: Request, exc: TokenizerError):
+        return failed(request, 400, str(exc), param="messages", code="invalid_prompt")
 
     @app.exception_handler(OutOfPagesError)
-    async def out_of_pages(_: Request, exc: OutOfPagesError):
-        return failed(400, str(exc), param="max_tokens", code="kv_pool_too_small")
+    async def out_of_pages(request: Request, exc: OutOfPagesError):
+        return failed(request, 400, str(exc), param="max_tokens", code="kv_pool_too_small")
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return failed(exc.status_code, str(exc.detail), code=code)
+        return failed(request, exc.status_code, str(exc.detail), code=code)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception):
+    async def unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error while serving a request")
-        return failed(500, f"internal error: {type(exc).__name__}", "server_error", code="internal_error")
+        return failed(request, 500, f"internal error: {type(exc).__name__}", "server_error", code="internal_error")
 
 
 def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: tuple[str, ...] = (),
@@ -158,6 +173,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: t
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.num_in_flight)
     async_engine.on_output = metrics.observe_output
     serving = OpenAIServing(async_engine, tokenizer, model_name, limits, model_aliases)
+    messages_serving = AnthropicServing(serving)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -185,6 +201,17 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: t
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """A continuation of `prompt` (text, token ids, or a list of either)."""
         return await serving.completions(body, request)
+
+    @app.post("/v1/messages", responses=_ANTHROPIC_ERROR_RESPONSES)
+    async def messages(body: anthropic.MessagesRequest, request: Request) -> Response:
+        """An assistant reply to `messages` (Anthropic Messages API; `stream` for server-sent events)."""
+        return await messages_serving.messages(body, request)
+
+    @app.post("/v1/messages/count_tokens", response_model=anthropic.CountTokensResponse,
+              responses=_ANTHROPIC_ERROR_RESPONSES)
+    async def count_tokens(body: anthropic.CountTokensRequest) -> Response:
+        """How many prompt tokens the same request to `/v1/messages` would have."""
+        return await messages_serving.count_tokens(body)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:

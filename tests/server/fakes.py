@@ -28,7 +28,8 @@ class FakeTokenizer:
         return "".join(chr(i - 1) for i in ids if i != EOS)
 
     def encode_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
 @dataclass
@@ -51,12 +52,12 @@ class FakeEngine:
         self.fail_next_step = False
 
     def add_request(self, prompt, sampling, request_id=None, *, session_id=None, priority=0, hints=None,
-                    cache_salt=None):
+                    cache_salt=None, pin_prefixes=()):
         if len(prompt) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}")
         if any(t >= 0x110000 for t in prompt):
             raise InvalidRequestError("token id outside the vocabulary")
-        self.calls.append(("add", request_id, session_id, priority, hints, cache_salt))
+        self.calls.append(("add", request_id, session_id, priority, hints, cache_salt, list(pin_prefixes)))
         self.live[request_id] = _Live(list(prompt), sampling)
         return request_id
 
