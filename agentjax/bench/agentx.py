@@ -2,8 +2,8 @@
 
 A lane sends a turn after the previous turn's reply plus its (scaled) think time; subagents run
 concurrently with their parent; the first session of each lane starts part-way in, as AgentX does.
-Requests go to an OpenAI-compatible server (`HttpBackend`) or to an in-process `Engine`
-(`EngineBackend`, stepped on the same asyncio loop). The result is `metrics.summarize`'s dict.
+Requests go to a `backends.Backend`: an OpenAI-compatible server (`HttpBackend`) or an in-process
+`Engine` (`EngineBackend`, stepped on the same asyncio loop). The result is `metrics.summarize`'s dict.
 """
 from __future__ import annotations
 
@@ -11,15 +11,20 @@ import asyncio
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any
 
 import numpy as np
 
+from agentjax.bench.backends import Backend, EngineBackend, HttpBackend, TurnRequest
 from agentjax.bench.metrics import RequestRecord, summarize
-from agentjax.bench.traces import Session, TokenIdRange, Turn, load_weka_traces, prompt_token_ids
+from agentjax.bench.traces import Session, Turn, load_weka_traces, prompt_token_ids
 from agentjax.errors import InvalidRequestError
+
+__all__ = ["AgentxConfig", "AgentxRun", "Backend", "EngineBackend", "HttpBackend", "TurnRequest",
+           "load_sessions", "run_agentx", "run_agentx_async"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,178 +59,6 @@ class AgentxConfig:
                 f"duration={self.duration_s}, gpus={self.gpus}, think_scale={self.think_scale}")
         if self.max_context is not None and self.max_context < 2:
             raise InvalidRequestError(f"max_context={self.max_context} must be >= 2")
-
-
-@dataclass(frozen=True)
-class TurnRequest:
-    """What a backend sends for one turn."""
-
-    prompt: list[int]
-    max_tokens: int
-    session_id: str
-    turn_index: int
-    hints: dict[str, Any] = field(default_factory=dict)
-
-
-class Backend(Protocol):
-    token_range: TokenIdRange
-    max_prompt_tokens: int | None  # the backend's own cap (None: unknown)
-
-    async def start(self) -> None: ...
-    async def send(self, request: TurnRequest) -> RequestRecord: ...
-    async def close(self) -> None: ...
-
-
-def _failed(request: TurnRequest, start: float, error: BaseException | str) -> RequestRecord:
-    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return RequestRecord(start, None, time.perf_counter(), len(request.prompt), 0, 0, error=text,
-                         session_id=request.session_id, turn_index=request.turn_index)
-
-
-class EngineBackend:
-    """An in-process `Engine`, stepped by one task on the caller's asyncio loop (the Engine is
-    not thread-safe, and one loop needs no locks). A step blocks the loop while it runs."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        vocab = engine.model_cfg.vocab_size
-        self.token_range = TokenIdRange(low=min(256, vocab // 2), vocab_size=vocab)
-        self.max_prompt_tokens = engine.max_model_len - 1
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._wake = asyncio.Event()
-        self._driver: asyncio.Task | None = None
-        self._broken: BaseException | None = None
-
-    @classmethod
-    def from_model(cls, model: str | None, **engine_args: Any) -> EngineBackend:
-        from agentjax.llm import LLM
-
-        return cls(LLM(model, **engine_args).engine)
-
-    async def start(self) -> None:
-        self._driver = asyncio.create_task(self._drive(), name="agentx-engine")
-
-    async def _drive(self) -> None:
-        while True:
-            if not self.engine.has_unfinished():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as error:  # the engine's state is suspect: fail everything after it
-                logger.exception("engine step failed")
-                self._broken = error
-                for request_id, queue in list(self._queues.items()):
-                    self.engine.abort(request_id)
-                    queue.put_nowait(error)
-                continue
-            now = time.perf_counter()
-            for output in outputs:
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait((now, output))
-            await asyncio.sleep(0)  # let the lanes take their tokens and send their next turns
-
-    async def send(self, request: TurnRequest) -> RequestRecord:
-        from agentjax.sampling_params import SamplingParams
-        from agentjax.scheduler.request import AgentHints
-
-        start = time.perf_counter()
-        if self._broken is not None:
-            return _failed(request, start, self._broken)
-        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        try:
-            request_id = self.engine.add_request(request.prompt, sampling, session_id=request.session_id,
-                                                 hints=AgentHints(**request.hints))
-        except Exception as error:
-            return _failed(request, start, error)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._wake.set()
-        times: list[float] = []
-        cached = 0
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    return _failed(request, start, item)
-                now, output = item
-                times.extend([now] * len(output.new_token_ids))
-                cached = output.num_cached_tokens
-                if output.finished:
-                    break
-        except asyncio.CancelledError:
-            self.engine.abort(request_id)
-            raise
-        finally:
-            self._queues.pop(request_id, None)
-        return RequestRecord.from_token_times(start, times, times[-1] if times else time.perf_counter(),
-                                              len(request.prompt), cached, session_id=request.session_id,
-                                              turn_index=request.turn_index)
-
-    async def close(self) -> None:
-        if self._driver is not None:
-            self._driver.cancel()
-            await asyncio.gather(self._driver, return_exceptions=True)
-
-
-class HttpBackend:
-    """An OpenAI-compatible server: streaming `/v1/completions` with a token-id prompt, through
-    the official `openai` async client; `session_id` and `agent_hints` go in the body,
-    the session id also as `X-Session-ID`."""
-
-    def __init__(self, url: str, model: str | None = None, api_key: str | None = None,
-                 vocab_size: int = 49_152, max_prompt_tokens: int | None = None,
-                 timeout_s: float = 600.0) -> None:
-        import openai
-
-        self.client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "EMPTY",
-                                         timeout=timeout_s, max_retries=0)
-        self.model = model
-        self.token_range = TokenIdRange(low=256, vocab_size=vocab_size)
-        self.max_prompt_tokens = max_prompt_tokens
-
-    async def start(self) -> None:
-        if self.model is None:
-            models = await self.client.models.list()
-            if not models.data:
-                raise InvalidRequestError("the server lists no models; pass --model")
-            self.model = models.data[0].id
-
-    async def send(self, request: TurnRequest) -> RequestRecord:
-        start = time.perf_counter()
-        times: list[float] = []
-        usage = None
-        try:
-            stream = await self.client.completions.create(
-                model=self.model, prompt=request.prompt, max_tokens=request.max_tokens, stream=True,
-                stream_options={"include_usage": True}, temperature=0.0,
-                extra_body={"ignore_eos": True, "session_id": request.session_id,
-                            "agent_hints": request.hints},
-                extra_headers={"X-Session-ID": request.session_id})
-            async for chunk in stream:
-                now = time.perf_counter()
-                if chunk.choices and chunk.choices[0].text:
-                    times.append(now)
-                if chunk.usage is not None:
-                    usage = chunk.usage
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            return _failed(request, start, error)
-        end = time.perf_counter()
-        if usage is None:
-            return _failed(request, start, "the stream ended without a usage chunk")
-        details = usage.prompt_tokens_details
-        cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
-        # Text chunks may carry several tokens: the usage's count is the truth, gaps are per chunk.
-        return RequestRecord(start, times[0] if times else None, end, int(usage.prompt_tokens), cached,
-                             int(usage.completion_tokens), tuple(np.diff(times).tolist()),
-                             session_id=request.session_id, turn_index=request.turn_index)
-
-    async def close(self) -> None:
-        await self.client.close()
 
 
 class AgentxRun:
@@ -383,7 +216,7 @@ class AgentxRun:
 
     def _print_progress(self, final: bool = False) -> None:
         errors = sum(1 for record, _ in self.records if record.error is not None)
-        phase = ("warm-up" if not self._profiling.is_set()
+        phase = (f"warm-up {time.perf_counter() - self.t0:5.0f}s" if not self._profiling.is_set()
                  else f"{time.perf_counter() - self.t_profile:6.1f}s/{self.config.duration_s:.0f}s")
         sys.stderr.write(f"\r[agentx] {phase}  lanes {self.config.lanes}  "
                          f"requests {len(self.records)}  errors {errors}  in flight {self.in_flight}   ")

@@ -6,8 +6,9 @@ the mission's table. Host only: never imports jax.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from agentjax.errors import InvalidRequestError
 

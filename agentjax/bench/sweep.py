@@ -10,10 +10,12 @@ import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from agentjax.bench.agentx import AgentxConfig, EngineBackend, HttpBackend, load_sessions, run_agentx_async
+from agentjax.bench.agentx import AgentxConfig, load_sessions, run_agentx_async
+from agentjax.bench.backends import EngineBackend, HttpBackend
 from agentjax.bench.metrics import write_summary
 from agentjax.errors import InvalidRequestError
 

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from agentjax.bench.cost import ApiPrices, api_cost, compare_costs, gpu_cost_per_million_tokens
+from agentjax.bench.cost import (
+    ApiPrices,
+    api_cost,
+    compare_costs,
+    gpu_cost_per_million_tokens,
+)
 from agentjax.errors import InvalidRequestError
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from agentjax.bench.generate import LogNormal, SessionGeneratorConfig, generate_sessions
-from agentjax.bench.traces import describe_sessions, iter_all_sessions, prompt_token_ids
+from agentjax.bench.trace_stats import describe_sessions
+from agentjax.bench.traces import iter_all_sessions, prompt_token_ids
 from agentjax.errors import InvalidRequestError
 
 

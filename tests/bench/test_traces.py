@@ -10,9 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agentjax.bench.trace_stats import describe_sessions, infinite_cache_hit_rate
 from agentjax.bench.traces import (
-    Session, TokenIdRange, Turn, describe_sessions, infinite_cache_hit_rate, load_mooncake_jsonl,
-    load_weka_traces, prompt_token_ids, scale_turn_lengths, scaled_block_size)
+    Session,
+    TokenIdRange,
+    Turn,
+    load_mooncake_jsonl,
+    load_weka_traces,
+    prompt_token_ids,
+    scale_turn_lengths,
+    scaled_block_size,
+)
 from agentjax.errors import InvalidRequestError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
