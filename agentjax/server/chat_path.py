@@ -187,8 +187,10 @@ class ChatPath:
                            f"({', '.join(sorted(names))})", param="tool_choice")
 
     def prompt_ids(self, chat: ChatInput, add_generation_prompt: bool = True) -> list[int]:
-        tools = chat.tools if chat.tools and chat.tool_choice.mode != "none" else None
-        return self.tokenizer.encode_chat(chat.messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        """The rendered prompt. Tools are rendered even with tool choice `none`, so that an agent that
+        switches tool choice between turns keeps its prompt prefix (and its cache hits)."""
+        return self.tokenizer.encode_chat(chat.messages, add_generation_prompt=add_generation_prompt,
+                                          tools=chat.tools or None)
 
     def constraint(self, chat: ChatInput) -> StructuredOutput | None:
         """What decoding must produce: a call when the tool choice forces one, else the response format."""

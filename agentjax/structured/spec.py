@@ -42,7 +42,7 @@ class StructuredOutput:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {error}") from error
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"a JSON schema must be an object; got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: it is the property order
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
