@@ -75,6 +75,11 @@ def fold_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[st
             continue
         item = {key: value for key, value in message.items() if key not in ("tool_calls", "tool_call_id")}
         item["content"] = _text_of(message.get("content"))
+        if role == "user" and folded and folded[-1].get("_tool_results"):
+            # One user turn, so templates that insist on alternating roles (Gemma's) still render.
+            folded[-1]["content"] += "\n" + item["content"]
+            folded[-1]["_tool_results"] = False
+            continue
         calls = message.get("tool_calls") or []
         if role == "assistant" and calls:
             rendered = [render_tool_call(call["function"]["name"], call["function"].get("arguments", "{}"))

@@ -86,6 +86,21 @@ def test_fold_tools_writes_tools_calls_and_results_into_plain_messages():
     assert folded[2]["content"] == render_tool_call("search", '{"q": "x"}')
     assert folded[3]["content"] == "<tool_response>\nr1\n</tool_response>\n<tool_response>\nr2\n</tool_response>"
     assert all("tool_calls" not in m and "tool_call_id" not in m for m in folded)
+    # A user message after tool results joins their turn: roles keep alternating.
+    folded = fold_tools([*messages, {"role": "user", "content": "And y?"}], TOOLS)
+    assert [m["role"] for m in folded] == ["system", "user", "assistant", "user"]
+    assert folded[3]["content"].endswith("</tool_response>\nAnd y?")
+
+
+def test_the_gemma_template_renders_a_tool_conversation():
+    from checkpoints.chat_template import GEMMA3_CHAT_TEMPLATE, ChatTemplate
+
+    call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Find x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "r1"}, {"role": "user", "content": "Thanks"}]
+    text = ChatTemplate(GEMMA3_CHAT_TEMPLATE).render(messages, special_tokens={"bos_token": "<bos>"}, tools=TOOLS)
+    assert text.count("<start_of_turn>user") == 2 and "<tool_response>\nr1\n</tool_response>\nThanks" in text
+    assert '"name": "get_weather"' in text and text.endswith("<start_of_turn>model\n")
 
 
 def test_a_rendered_call_parses_back_to_the_same_call():
