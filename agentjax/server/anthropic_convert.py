@@ -33,7 +33,7 @@ ERROR_PREFIX = "Error: "  # how a tool_result with is_error reads to the model
 @dataclass(frozen=True)
 class CacheMark:
     """Where a `cache_control` mark sits: tool `index`, system block `index`, or block `block` of
-    message `index`."""
+    message `index` (-1: the whole message)."""
 
     where: str  # tools, system or messages
     index: int
@@ -130,6 +130,10 @@ def cache_marks(body: CountTokensRequest) -> list[CacheMark]:
                 control = next((part.cache_control for part in block.content if part.cache_control), None)
             if control is not None:
                 marks.append(CacheMark("messages", index, number, CACHE_TTL_S[control.ttl]))
+    if body.cache_control is not None:  # the top-level mark: on the last block of the last message
+        last = body.messages[-1]
+        block = -1 if isinstance(last.content, str) else len(last.content) - 1
+        marks.append(CacheMark("messages", len(body.messages) - 1, block, CACHE_TTL_S[body.cache_control.ttl]))
     if len(marks) > MAX_CACHE_MARKS:
         raise APIError(f"{len(marks)} blocks carry cache_control; at most {MAX_CACHE_MARKS} may",
                        param="cache_control")
@@ -144,7 +148,7 @@ def marked_prefix(body: CountTokensRequest, chat: ChatInput, mark: CacheMark) ->
     if mark.where == "system":
         return replace(chat, messages=_messages(body.system[: mark.index + 1], []))
     message = body.messages[mark.index]
-    cut = message.model_copy(update={"content": message.content[: mark.block + 1]})
+    cut = message if mark.block < 0 else message.model_copy(update={"content": message.content[: mark.block + 1]})
     return replace(chat, messages=_messages(body.system, [*body.messages[: mark.index], cut]))
 
 

@@ -126,6 +126,7 @@ class CountTokensRequest(AnthropicModel):
     system: str | list[TextBlock] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    cache_control: CacheControl | None = Field(None, description="a mark on the last block of the conversation")
 
 
 class MessagesRequest(CountTokensRequest):

@@ -138,6 +138,21 @@ def test_cache_control_marks_pin_the_prompt_prefix_they_close(client):
     assert pins_of(client) == []
 
 
+def test_a_top_level_cache_control_marks_the_last_block_and_counts_toward_the_limit(client):
+    request = {**HELLO, "cache_control": {"type": "ephemeral", "ttl": "1h"},
+               "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                            user({"type": "text", "text": "A"}, {"type": "text", "text": "B"})]}
+    assert client.post("/v1/messages", json=request).status_code == 200
+    assert pins_of(client) == [(len("<user>hi<assistant>yo<user>AB"), 3600.0)]
+    plain_last = {**request, "messages": [{"role": "user", "content": "hi there"}]}
+    assert client.post("/v1/messages", json=plain_last).status_code == 200
+    assert pins_of(client) == [(len("<user>hi there"), 3600.0)]
+    marked = [{"type": "text", "text": str(i), "cache_control": {"type": "ephemeral"}} for i in range(4)]
+    too_many = {**request, "messages": [user(*marked)]}
+    assert_anthropic_error(client.post("/v1/messages", json=too_many), 400, "invalid_request_error",
+                           "5 blocks carry cache_control")
+
+
 def test_a_streaming_request_is_aborted_when_its_client_disconnects():
     engine = FakeEngine(step_s=0.05)
     app = create_app(engine, FakeTokenizer(), model_name=MODEL, limits=ServerLimits(max_tokens_limit=64))
