@@ -1,7 +1,8 @@
-"""`agentjax bench report` on a hand-made profile_export.jsonl with known figures."""
+"""`agentjax bench report` on a hand-made profile_export.jsonl with known figures, and on real lines."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +85,29 @@ def test_report_cli(run_dir, tmp_path, capsys):
 def test_report_missing_file(tmp_path):
     with pytest.raises(InvalidRequestError, match="profile_export.jsonl"):
         report_from_dir(tmp_path)
+
+
+REAL_EXPORT = Path(__file__).parent / "data" / "agentx_profile_export.jsonl"
+
+
+def test_report_on_real_agentx_client_lines():
+    """Three lines of a real profile_export.jsonl (agentx-harness 1.0.12 against `agentjax serve
+    --model preset:tiny-long`): one warm-up request, two profiled ones with 172 and 103
+    inter-chunk gaps. The figures follow from their raw fields; the hit rate is the client's own
+    'Overall Usage Prompt Cache Read %' (94.34)."""
+    summary = report_from_dir(REAL_EXPORT)
+    assert summary["skipped_warmup"] == 1
+    assert summary["requests"] == 2 and summary["errors"] == 0
+    assert summary["input_tokens"] == 59_954 + 62_919 and summary["cached_tokens"] == 56_000 + 59_920
+    assert summary["output_tokens"] == 174 + 105
+    # First start to last end (start + request_latency): 149.9555 s.
+    assert summary["wall_time_s"] == pytest.approx(149.9555, abs=1e-3)
+    assert summary["tpgs"] == pytest.approx(123_152 / 149.9555, rel=1e-5)
+    assert summary["hit_rate"] == pytest.approx(0.9434, abs=1e-4)
+    # E2E per output token: 77.0284 s / 174 and 67.8825 s / 105; P90 by linear interpolation.
+    assert summary["p90_interactivity"] == pytest.approx(1.59714, rel=1e-4)
+    assert summary["ttft_p50_s"] == pytest.approx(18.90542, rel=1e-5)
+    records, _ = load_profile_export(REAL_EXPORT)
+    assert [len(r.inter_token_latencies_s) for r in records] == [172, 103]
+    assert {r.session_id for r in records} == {"3215fed4-c347-4c70-bc34-bbf64f8da6a9"}
+    assert [r.turn_index for r in records] == [10, 11]
