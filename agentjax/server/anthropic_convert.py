@@ -9,9 +9,11 @@ without a generation prompt, and the pin covers its longest common prefix with t
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from agentjax.errors import AgentjaxError
 from agentjax.server.anthropic_protocol import (
     CACHE_TTL_S,
     MAX_CACHE_MARKS,
@@ -26,6 +28,8 @@ from agentjax.server.anthropic_protocol import (
 )
 from agentjax.server.chat_path import ChatInput, ChatPath, ToolChoice
 from agentjax.server.errors import APIError
+
+logger = logging.getLogger(__name__)
 
 ERROR_PREFIX = "Error: "  # how a tool_result with is_error reads to the model
 
@@ -143,8 +147,8 @@ def cache_marks(body: CountTokensRequest) -> list[CacheMark]:
 def marked_prefix(body: CountTokensRequest, chat: ChatInput, mark: CacheMark) -> ChatInput:
     """The conversation up to and including the marked block (Anthropic's order: tools, system,
     messages)."""
-    if mark.where == "tools":
-        return replace(chat, messages=[], tools=chat.tools[: mark.index + 1])
+    if mark.where == "tools":  # templates need a message; tools render into the system one
+        return replace(chat, messages=[{"role": "system", "content": ""}], tools=chat.tools[: mark.index + 1])
     if mark.where == "system":
         return replace(chat, messages=_messages(body.system[: mark.index + 1], []))
     message = body.messages[mark.index]
@@ -157,7 +161,11 @@ def pin_prefixes(path: ChatPath, body: CountTokensRequest, chat: ChatInput,
     """`(num_tokens, ttl_s)` per mark: how much of `prompt` the marked prefix covers."""
     pins: dict[int, float] = {}
     for mark in cache_marks(body):
-        prefix = path.prompt_ids(marked_prefix(body, chat, mark), add_generation_prompt=False)
+        try:
+            prefix = path.prompt_ids(marked_prefix(body, chat, mark), add_generation_prompt=False)
+        except AgentjaxError as error:  # a pin is only a hint: a template that cannot render the cut skips it
+            logger.info("cache_control mark %s not pinned: %s", mark, error)
+            continue
         covered = common_prefix_length(prefix, prompt)
         if covered > 0:
             pins[covered] = max(pins.get(covered, 0.0), mark.ttl_s)

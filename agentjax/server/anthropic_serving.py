@@ -10,7 +10,8 @@ cache_creation_input_tokens` = prompt tokens: `cache_read_input_tokens` are the 
 found in the prefix cache (any prefix: this server caches every prompt, marked or not), and
 `cache_creation_input_tokens` the tokens of the longest `cache_control`-marked prefix that were
 not read from the cache, that is, computed by this request and now pinned for the mark's ttl
-(0 without marks). When streaming, `message_start` cannot know the cache hit yet and reports
+(0 without marks; the engine pins whole cached pages, so a marked prefix's last partial page is
+counted but not held). When streaming, `message_start` cannot know the cache hit yet and reports
 the whole prompt as `input_tokens`; `message_delta` carries the final split, which the SDKs
 take as the message's usage.
 """

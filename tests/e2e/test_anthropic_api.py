@@ -69,12 +69,13 @@ def test_a_streamed_message_collects_its_text_through_the_stream_helper(server):
 def test_a_forced_tool_call_validates_and_its_result_gets_a_reply_and_streaming_reassembles_it(server):
     sdk = client(server)
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    forced = {"model": MODEL, "max_tokens": 48, "tools": [WEATHER], "messages": ask,
+    marked = {**WEATHER, "cache_control": {"type": "ephemeral"}}
+    forced = {"model": MODEL, "max_tokens": 48, "tools": [marked], "messages": ask,
               "tool_choice": {"type": "tool", "name": "get_weather"}}
     # Distinct cache salts: both requests compute the prompt alike, so greedy decoding gives one call.
     salt = uuid.uuid4().hex
     call = sdk.messages.create(**forced, extra_body={**GREEDY, "cache_salt": salt})
-    assert call.stop_reason == "tool_use"
+    assert call.stop_reason == "tool_use" and call.usage.cache_creation_input_tokens > 0  # the tools mark
     [use] = [block for block in call.content if block.type == "tool_use"]
     assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, CITY_SCHEMA)

@@ -131,8 +131,8 @@ def test_cache_control_marks_pin_the_prompt_prefix_they_close(client):
     # The fake template renders contents only: "<system>AB\nCD<user>hi<assistant><tool>rain<user>more<assistant>".
     system_mark = len("<system>AB")
     result_mark = len("<system>AB\nCD<user>hi<assistant><tool>rain")
-    # The tools mark renders no messages, and the fake template then shares nothing with the prompt.
-    assert pins_of(client) == [(system_mark, 3600.0), (result_mark, 300.0)]
+    # The tools mark renders an empty system message; the fake template writes no tools into it.
+    assert pins_of(client) == [(len("<system>"), 300.0), (system_mark, 3600.0), (result_mark, 300.0)]
     no_marks = {**HELLO, "system": "plain"}
     client.post("/v1/messages", json=no_marks)
     assert pins_of(client) == []
