@@ -27,8 +27,8 @@ Results come back inside <tool_response></tool_response> tags."""
 
 
 def template_supports_tools(source: str) -> bool:
-    """Whether a chat template renders `tools` and tool calls itself."""
-    return "tools" in source and "tool_call" in source
+    """Whether a chat template renders `tools` itself (then it gets them, and the messages, as sent)."""
+    return "tools" in source
 
 
 def needs_tool_folding(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> bool:

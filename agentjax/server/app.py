@@ -23,6 +23,8 @@ from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongE
 from agentjax.server import anthropic_protocol as anthropic
 from agentjax.server.anthropic_serving import AnthropicServing
 from agentjax.server.async_engine import AsyncEngine
+from agentjax.server.chat_path import ChatPath
+from agentjax.server.tool_parsers import DEFAULT_TOOL_PARSER
 from agentjax.server.errors import APIError
 from agentjax.server.metrics import ServerMetrics
 from agentjax.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
@@ -167,12 +169,16 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: tuple[str, ...] = (),
-               api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
-    """The app; the engine thread runs while the app's lifespan does."""
+               api_key: str | None = None, limits: ServerLimits = ServerLimits(),
+               tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
+    """The app; the engine thread runs while the app's lifespan does. `tool_call_parser` names how
+    tool calls are read from replies (`agentjax.server.tool_parsers`)."""
     async_engine = AsyncEngine(engine, max_queued_requests=limits.max_queued_requests)
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.num_in_flight)
     async_engine.on_output = metrics.observe_output
-    serving = OpenAIServing(async_engine, tokenizer, model_name, limits, model_aliases)
+    chat_path = ChatPath(async_engine, tokenizer, max_tokens_limit=limits.max_tokens_limit,
+                         tool_parser=tool_call_parser)
+    serving = OpenAIServing(async_engine, tokenizer, model_name, limits, model_aliases, chat_path)
     messages_serving = AnthropicServing(serving)
 
     @asynccontextmanager

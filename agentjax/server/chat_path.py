@@ -62,7 +62,7 @@ class ToolCallDelta:
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # stop, length, tool_calls or abort
+    finish_reason: str  # stop, length, tool_calls (ended normally after calls) or abort
     stop_sequence: str | None  # the stop string that ended the reply, if one did
     prompt_tokens: int
     completion_tokens: int
@@ -118,8 +118,8 @@ class ChatRun:
                     num_calls += 1
                 elif piece.text:
                     yield TextDelta(piece.text)
-        if num_calls and finish_reason != "abort":
-            finish_reason = "tool_calls"
+        if num_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"  # a reply cut off by max_tokens still says "length"
         yield Finished(finish_reason, buffer.matched, self.prompt_tokens, completion_tokens, cached)
 
     async def collect(self, request: Request | None = None) -> ChatResult:

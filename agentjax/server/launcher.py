@@ -13,6 +13,8 @@ import os
 import time
 from pathlib import Path
 
+from agentjax.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "AGENTJAX_API_KEY"
@@ -35,6 +37,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--disk-cache-dir", default=None, help="disk KV offload tier (engine setting)")
     add("--mooncake-master", default=None, help="Mooncake Store master address (engine setting)")
     add("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    add("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=DEFAULT_TOOL_PARSER,
+        help="how tool calls are read from replies: hermes (JSON in <tool_call> tags) or json (a JSON reply)")
     add("--max-queued-requests", type=int, default=256, help="requests queued or running before 429")
     add("--max-request-body-bytes", type=int, default=8 * 2**20, help="largest request body (413 beyond)")
     add("--timeout-graceful-shutdown", type=float, default=30.0, help="seconds to let requests finish on SIGTERM")
@@ -88,7 +92,7 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
                           max_queued_requests=args.max_queued_requests)
     aliases = tuple(a for a in (model_cfg.name, args.model) if a)
     app = create_app(engine, tokenizer, model_name=name, model_aliases=aliases, api_key=args.api_key,
-                     limits=limits)
+                     limits=limits, tool_call_parser=args.tool_call_parser)
     server = graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                                            access_log=False))
