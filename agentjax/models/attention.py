@@ -46,14 +46,20 @@ class Attention(nnx.Module):
         kv_pages: Float[Array, "layers pages page_size kv2 dim"],
         batch: RaggedBatch,
         numerics: str,
+        layer: Array | None = None,
+        sliding_window: Array | None = None,
+        inv_freq: Array | None = None,
     ) -> tuple[Float[Array, "tokens hidden"], Float[Array, "layers pages page_size kv2 dim"]]:
+        """`layer`, `sliding_window` and `inv_freq`, when given (traced, from a layer scan), replace
+        this module's own per-layer settings."""
         tokens = x.shape[0]
         q = self.q_proj(x, numerics).reshape(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:
             q, k = self.q_norm(q, numerics), self.k_norm(k, numerics)
-        inv_freq = rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+        if inv_freq is None:
+            inv_freq = rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
         q = apply_rope(q, batch.positions, inv_freq)
         k = apply_rope(k, batch.positions, inv_freq)
         if self.impl != "reference":
@@ -68,12 +74,12 @@ class Attention(nnx.Module):
             batch.kv_lens,
             batch.page_indices,
             batch.cu_q_lens,
-            layer=self.layer,
+            layer=self.layer if layer is None else layer,
             token_seq_ids=batch.seq_ids,
             token_positions=batch.positions,
             slot_mapping=batch.slot_mapping,
             sm_scale=self.sm_scale,
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window if sliding_window is None else sliding_window,
             batch_invariant=numerics == "batch_invariant",
         )
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), kv_pages

@@ -2,6 +2,8 @@
 
 `Decoder.__call__` runs one ragged batch: embeds its tokens, runs every layer (each reads and
 writes its slice of the paged KV buffer) and returns final hidden states plus the updated pages.
+The layers are one `LayerStack`: their parameters carry a leading layer axis and run under
+`lax.scan`, so a step compiles one layer body instead of every layer unrolled.
 `Decoder.logits` turns chosen hidden states into vocabulary logits. Pure functions of their
 inputs: no global state, so `jax.jit`, `jax.grad` and `jax.vmap` apply.
 """
@@ -9,13 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
 from agentjax.config import ModelConfig
 from agentjax.models.attention import Attention
-from agentjax.models.layers import GatedMLP, RMSNorm, _init, dense
+from agentjax.models.layers import GatedMLP, RMSNorm, _init, dense, rope_inverse_frequencies
 
 if TYPE_CHECKING:
     from agentjax.runner.batch import RaggedBatch
@@ -35,8 +38,9 @@ class DecoderLayer(nnx.Module):
             self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
         self.sandwich = cfg.use_sandwich_norms
 
-    def __call__(self, x: Array, kv_pages: Array, batch: RaggedBatch, numerics: str) -> tuple[Array, Array]:
-        attn_out, kv_pages = self.attn(self.input_norm(x, numerics), kv_pages, batch, numerics)
+    def __call__(self, x: Array, kv_pages: Array, batch: RaggedBatch, numerics: str,
+                 **layer_settings: Array) -> tuple[Array, Array]:
+        attn_out, kv_pages = self.attn(self.input_norm(x, numerics), kv_pages, batch, numerics, **layer_settings)
         if self.sandwich:
             attn_out = self.post_attn_norm(attn_out, numerics)
         x = x + attn_out
@@ -46,12 +50,54 @@ class DecoderLayer(nnx.Module):
         return x + mlp_out, kv_pages
 
 
+# Stands for "no window" in a stack that mixes sliding and full-attention layers.
+_NO_WINDOW = 2**30
+
+
+class LayerStack(nnx.Module):
+    """Every decoder layer as one module whose parameters have a leading `[num_layers]` axis.
+
+    Layers differ only in static settings (window, RoPE base and scaling, index), which become
+    per-layer arrays scanned beside the parameters.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        layers = [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+        graphdef, _ = nnx.split(layers[0])
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(nnx.state(layer) for layer in layers))
+        self.block = nnx.merge(graphdef, stacked)
+        self.num_layers = cfg.num_layers
+        windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+        self.windows = None if all(w is None for w in windows) else tuple(w or _NO_WINDOW for w in windows)
+        self.rope = tuple((cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i)) for i in range(cfg.num_layers))
+        self.head_dim = cfg.head_dim
+
+    def __call__(self, x: Array, kv_pages: Array, batch: RaggedBatch, numerics: str) -> tuple[Array, Array]:
+        graphdef, stacked = nnx.split(self.block)
+        per_layer = {
+            "layer": jnp.arange(self.num_layers, dtype=jnp.int32),
+            "inv_freq": jnp.stack([rope_inverse_frequencies(self.head_dim, theta, scaling)
+                                   for theta, scaling in self.rope]),
+        }
+        if self.windows is not None:
+            per_layer["sliding_window"] = jnp.asarray(self.windows, jnp.int32)
+
+        def body(carry, scanned):
+            x, kv_pages = carry
+            state, settings = scanned
+            x, kv_pages = nnx.merge(graphdef, state)(x, kv_pages, batch, numerics, **settings)
+            return (x, kv_pages), None
+
+        (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), (stacked, per_layer))
+        return x, kv_pages
+
+
 class Decoder(nnx.Module):
     """Embeddings, the layer stack, the final norm and the (tied or separate) LM head."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.dtype, scale=0.02))
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.layers = LayerStack(cfg, rngs=rngs)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(_init(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.dtype))
@@ -68,8 +114,7 @@ class Decoder(nnx.Module):
         x = jnp.take(self.embed[...], batch.token_ids, axis=0)
         if self.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
-        for layer in self.layers:
-            x, kv_pages = layer(x, kv_pages, batch, numerics)
+        x, kv_pages = self.layers(x, kv_pages, batch, numerics)
         return self.final_norm(x, numerics), kv_pages
 
     def logits(self, hidden: Float[Array, "rows hidden"], numerics: str = "fast") -> Float[Array, "rows vocab"]:
