@@ -60,6 +60,24 @@ def tool_use_block(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": f"toolu_{suffix}", "name": call.name, "input": json.loads(call.arguments)}
 
 
+def content_blocks(parts: list[TextDelta | ToolCallDelta]) -> list[dict]:
+    """The reply's blocks in the order the stream sends them: a text block opens once it holds more
+    than whitespace, and text after a tool call starts a new block."""
+    blocks, held, text_open = [], "", False
+    for part in parts:
+        if isinstance(part, ToolCallDelta):
+            blocks.append(tool_use_block(part.call))
+            held, text_open = "", False
+        elif text_open:
+            blocks[-1]["text"] += part.text
+        else:
+            held += part.text
+            if held.strip():
+                blocks.append({"type": "text", "text": held})
+                held, text_open = "", True
+    return blocks
+
+
 class AnthropicServing:
     """Serves `/v1/messages` and `/v1/messages/count_tokens` beside an `OpenAIServing`."""
 
@@ -115,8 +133,7 @@ class AnthropicServing:
             return AbortOnCloseStreamingResponse(self._events(run, message_id, body, session_id, pinned), run.abort)
         result = await run.collect(request)
         self.openai.finish(body, session_id)
-        content = [{"type": "text", "text": result.text}] if result.text.strip() else []
-        content += [tool_use_block(call) for call in result.tool_calls]
+        content = content_blocks(result.parts)
         done = result.finished
         return JSONResponse({
             "id": message_id, "type": "message", "role": "assistant", "model": self.openai.model_name,

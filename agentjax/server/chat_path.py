@@ -77,6 +77,7 @@ class ChatResult:
     text: str
     tool_calls: list[ToolCall]
     finished: Finished
+    parts: list[TextDelta | ToolCallDelta] = field(default_factory=list)  # the events in order
 
 
 class ChatRun:
@@ -137,14 +138,15 @@ class ChatRun:
             self.abort()  # no-op once finished
 
     async def _gather(self) -> ChatResult:
-        texts, calls = [], []
+        texts, calls, parts = [], [], []
         async for event in self.events():
             if isinstance(event, TextDelta):
                 texts.append(event.text)
             elif isinstance(event, ToolCallDelta):
                 calls.append(event.call)
             else:
-                return ChatResult("".join(texts), calls, event)
+                return ChatResult("".join(texts), calls, event, parts)
+            parts.append(event)
         raise APIError("the reply ended without finishing", code="internal_error")
 
 
