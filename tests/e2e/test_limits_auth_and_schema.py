@@ -35,6 +35,20 @@ def test_requests_without_the_api_key_get_401_and_with_it_succeed(server):
     assert reply.choices[0].message.content is not None
 
 
+def test_the_anthropic_routes_take_the_key_in_x_api_key(server):
+    import anthropic
+
+    count = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    wrong = anthropic.Anthropic(base_url=server.base_url, api_key="wrong-key", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        wrong.messages.count_tokens(**count)
+    bare = httpx.post(f"{server.base_url}/v1/messages/count_tokens", json=count, timeout=30)
+    assert bare.status_code == 401 and bare.json()["type"] == "error"
+    assert bare.json()["error"]["type"] == "authentication_error"
+    right = anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+    assert right.messages.count_tokens(**count).input_tokens > 0
+
+
 BAD_REQUESTS = {
     "invalid JSON": (b'{"model": "x", "messages": [', 400, "not valid JSON"),
     "missing messages": (json.dumps({"model": MODEL}).encode(), 400, "messages"),
