@@ -235,7 +235,7 @@ class Engine:
         if generated >= sp.min_tokens and request.output_token_ids[-1] in request.stop_token_ids:
             return "stop"
         if request.matcher is not None and (request.matcher.is_stopped() or request.matcher.is_error()):
-            return "stop"  # the grammar is complete: only end-of-sequence could follow
+            return "stop"  # the grammar is complete (only end-of-sequence could follow), or broken (logged)
         if sp.stop and self.tokenizer is not None and generated >= sp.min_tokens:
             text = self.tokenizer.decode(request.output_token_ids)
             if any(stop in text for stop in sp.stop):

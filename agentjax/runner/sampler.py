@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from agentjax.structured.backend import all_allowed
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -35,11 +37,13 @@ class SamplingMetadata:
             top_p=np.ones(num_rows, np.float32),
             seeds=np.zeros(num_rows, np.uint32),
             num_generated=np.zeros(num_rows, np.int32),
-            token_bitmask=np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32),
+            token_bitmask=all_allowed(num_rows, vocab_size),
         )
 
 
-def apply_token_bitmask(logits: Float[Array, "rows vocab"], bitmask: Int[Array, "rows words"]) -> Float[Array, "rows vocab"]:
+def apply_token_bitmask(
+    logits: Float[Array, "rows vocab"], bitmask: Int[Array, "rows words"]
+) -> Float[Array, "rows vocab"]:
     """Disallowed tokens get -inf; a row of all ones leaves its logits bit-identical."""
     token = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     words = jnp.take(bitmask, token // 32, axis=1)
