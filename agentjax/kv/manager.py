@@ -46,7 +46,8 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 
 from agentjax.errors import InvalidRequestError
-from agentjax.kv.block_pool import BlockPool, EvictionOrder, PinnedEvictionOrder
+from agentjax.kv.block_pool import BlockPool
+from agentjax.kv.eviction import EvictionOrder, PinnedEvictionOrder
 from agentjax.kv.groups import CheckpointGroup, GroupManager, GroupTable, make_group_manager
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer

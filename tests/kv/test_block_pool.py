@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from agentjax.errors import InvalidRequestError, OutOfPagesError
-from agentjax.kv.block_pool import NULL_PAGE, BlockPool, LRUEvictionOrder
+from agentjax.kv.block_pool import NULL_PAGE, BlockPool
+from agentjax.kv.eviction import LRUEvictionOrder
 from agentjax.kv.events import BlockRemoved, BlockStored
 
 

@@ -1,4 +1,4 @@
-"""Tests of session and branch pins (PinnedEvictionOrder in agentjax/kv/block_pool.py, driven through
+"""Tests of session and branch pins (PinnedEvictionOrder in agentjax/kv/eviction.py, driven through
 agentjax/kv/manager.py): pinned free pages go after every unpinned one, expire, and are released."""
 import pytest
 
