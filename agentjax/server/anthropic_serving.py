@@ -29,7 +29,7 @@ from agentjax.server.anthropic_convert import cache_marks, chat_input_of, pin_pr
 from agentjax.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from agentjax.server.chat_path import ChatInput, ChatRun, Finished, TextDelta, ToolCallDelta
 from agentjax.server.errors import APIError, ModelNotFoundError
-from agentjax.server.serving import SESSION_HEADERS, AbortOnCloseStreamingResponse, OpenAIServing
+from agentjax.server.serving import AbortOnCloseStreamingResponse, OpenAIServing, session_id_from
 from agentjax.server.tool_parsers import ToolCall
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -99,16 +99,6 @@ class AnthropicServing:
         _, prompt = self.prepare(body)
         return JSONResponse({"input_tokens": len(prompt)})
 
-    def session_id_of(self, body: MessagesRequest, request: Request) -> str | None:
-        if body.metadata is not None and body.metadata.user_id:
-            return body.metadata.user_id
-        if body.agent_hints is not None and body.agent_hints.session_id:
-            return body.agent_hints.session_id
-        for header in SESSION_HEADERS:
-            if request.headers.get(header):
-                return request.headers[header][:256]
-        return None
-
     def sampling_of(self, body: MessagesRequest, prompt_len: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.chat_path.max_tokens_for(body.max_tokens, prompt_len),
@@ -122,7 +112,8 @@ class AnthropicServing:
         chat, prompt = self.prepare(body)
         sampling = self.sampling_of(body, len(prompt))
         pins = pin_prefixes(self.chat_path, body, chat, prompt)
-        session_id = self.session_id_of(body, request)
+        user_id = body.metadata.user_id if body.metadata is not None else None
+        session_id = session_id_from(user_id, body.agent_hints, request)
         kwargs = self.openai.engine_kwargs_of(body, session_id)
         if pins:
             kwargs["pin_prefixes"] = pins

@@ -206,9 +206,11 @@ class ChatPath:
 
     async def start(self, chat: ChatInput, sampling: SamplingParams, prompt: Sequence[int] | None = None,
                     **engine_kwargs: Any) -> ChatRun:
-        """Queues the chat (`prompt` if already rendered); `engine_kwargs` go to `Engine.add_request`."""
-        self.check_tools(chat)
-        prompt = list(prompt) if prompt is not None else self.prompt_ids(chat)
+        """Queues the chat; `engine_kwargs` go to `Engine.add_request`. A caller that passes `prompt`
+        has rendered it with `prompt_ids` after `check_tools`."""
+        if prompt is None:
+            self.check_tools(chat)
+            prompt = self.prompt_ids(chat)
         constraint = self.constraint(chat)
         if constraint is not None:
             sampling = replace(sampling, structured=constraint)

@@ -24,6 +24,7 @@ from agentjax.server.async_engine import AsyncEngine, RequestStream
 from agentjax.server.errors import APIError, ClientDisconnectedError, ModelNotFoundError
 from agentjax.server.chat_path import ChatInput, ChatPath, ChatRun, TextDelta, ToolCallDelta, ToolChoice
 from agentjax.server.protocol import (
+    AgentHintsModel,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
@@ -41,6 +42,19 @@ logger = logging.getLogger(__name__)
 SESSION_HEADERS = ("x-session-id", "x-correlation-id")
 DISCONNECT_POLL_S = 1.0
 _HINT_FIELDS = {f.name for f in dataclasses.fields(AgentHints)}
+
+
+def session_id_from(body_id: str | None, hints: AgentHintsModel | None, request: Request) -> str | None:
+    """The request's session id: the API's own body field, then `agent_hints.session_id`, then the
+    first session header present."""
+    if body_id:
+        return body_id
+    if hints is not None and hints.session_id:
+        return hints.session_id
+    for header in SESSION_HEADERS:
+        if request.headers.get(header):
+            return request.headers[header][:256]
+    return None
 
 
 @dataclass(frozen=True)
@@ -97,14 +111,7 @@ class OpenAIServing:
             raise APIError("logprobs are not supported", param="logprobs")
 
     def session_id_of(self, body: SamplingFields, request: Request) -> str | None:
-        if body.session_id:
-            return body.session_id
-        if body.agent_hints is not None and body.agent_hints.session_id:
-            return body.agent_hints.session_id
-        for header in SESSION_HEADERS:
-            if request.headers.get(header):
-                return request.headers[header][:256]
-        return None
+        return session_id_from(body.session_id, body.agent_hints, request)
 
     def sampling_of(self, body: SamplingFields, requested: int | None, prompt_len: int) -> SamplingParams:
         max_tokens = self.chat_path.max_tokens_for(requested, prompt_len)
