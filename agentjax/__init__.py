@@ -13,16 +13,20 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "agentjax.llm",
     "RequestOutput": "agentjax.llm",
+    "CompletionOutput": "agentjax.llm",
+    "TokenLogprobs": "agentjax.logprobs",
     "SamplingParams": "agentjax.sampling_params",
     "EngineConfig": "agentjax.config",
 }
 
 if TYPE_CHECKING:
     from agentjax.config import EngineConfig
-    from agentjax.llm import LLM, RequestOutput
+    from agentjax.llm import LLM, CompletionOutput, RequestOutput
+    from agentjax.logprobs import TokenLogprobs
     from agentjax.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "EngineConfig", "__version__"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "TokenLogprobs", "SamplingParams", "EngineConfig",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
-"""The `agentjax` command line: `serve` and `generate` now; `bench`, `sweep` and `router` come next.
+"""The `agentjax` command line: `serve`, `generate`, `bench` and `router`; `sweep` comes next.
 
     agentjax serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key K] ...
     agentjax generate --prompt "The capital of France is" [--model M] [--max-tokens N]
+    agentjax router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 [--policy sticky]
 """
 from __future__ import annotations
 
@@ -20,6 +21,30 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap on prefill tokens per request per step (0: none)")
     parser.add_argument("--numerics", choices=("fast", "batch_invariant"), default="fast")
+    parser.add_argument("--attention-impl", choices=("auto", "kernel", "reference"), default="auto",
+                        help="the model's paged, sparse and MoE ops: the Pallas kernels or the jnp references (XLA); "
+                             "auto (default): kernels on a GPU, references on a CPU")
+    parser.add_argument("--speculative-config", default=None,
+                        help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             "(prompt_lookup_min/prompt_lookup_max for ngram); default: off")
+    add_parallel_flags(parser)
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's parallel-layout flags (sharding/mesh.py) and the jax.distributed process flags."""
+    add = parser.add_argument
+    add("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks (query heads, MLP and expert columns)")
+    add("--data-parallel-size", "-dp", type=int, default=1,
+        help="DP ranks, each with its own requests, stepping in lockstep")
+    add("--enable-expert-parallel", action="store_true",
+        help="shard whole experts over the DP x TP ranks (DEP with --data-parallel-size)")
+    add("--decode-context-parallel-size", "-dcp", type=int, default=1,
+        help="DCP ranks inside the TP group: KV interleaved token by token (divides --tensor-parallel-size)")
+    add("--prefill-context-parallel-size", "-pcp", type=int, default=1,
+        help="PCP ranks: a step's tokens split DualChunkSwap-style, KV all-gathered")
+    add("--coordinator-address", default=None, help="jax.distributed coordinator HOST:PORT (several processes)")
+    add("--num-processes", type=int, default=1, help="processes in the jax.distributed run")
+    add("--process-id", type=int, default=0, help="this process's id (0 drives the engine; others follow)")
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -29,6 +54,16 @@ def _engine_args(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         numerics=args.numerics,
+        attention_impl=args.attention_impl,
+        speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
+        coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
     )
 
 
@@ -81,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     from agentjax.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from agentjax.router.launcher import add_router_arguments, cmd_router
+
+    router = sub.add_parser("router", help="route OpenAI/Anthropic traffic over several agentjax serve replicas")
+    add_router_arguments(router)
+    router.set_defaults(handler=cmd_router)
+    from agentjax.bench.sweep_cli import add_sweep_parser
+
+    add_sweep_parser(sub)
     return parser
 
 

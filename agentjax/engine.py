@@ -1,8 +1,15 @@
 """The host loop: `add_request`, `step`, `abort`, and a stream of outputs.
 
-Each step asks the scheduler which tokens run, builds one ragged batch from the KV manager's page
-tables, runs the model once, marks the written pages cacheable, and appends sampled tokens.
-Host state is plain Python; the device sees only the padded metadata arrays.
+Each step asks the scheduler which tokens run (with each row's page tables, one per KV group, and
+the state-page copies to run first), runs the model once on that ragged batch, and hands the
+sampled tokens back to the scheduler. The engine never calls the KV manager on the step path.
+Host state is plain Python; the device sees only the padded metadata arrays. Penalties and log
+probabilities ride along only on steps whose rows ask (`engine_extras`). A parallel sample
+(`fork_of`) waits until the first sample has computed the prompt, then reads its pages from the
+prefix cache, so a prompt's pages are computed once for n samples. With speculative decoding
+(`speculative_config`) a decode row carries draft tokens; the step samples a token at each of them, the
+scheduler keeps the drafts the target confirms, and the new tokens are checked for stops one by one; the
+"mtp" and "draft_model" methods propose each row's next drafts in the same step (agentjax/runner/drafters.py).
 """
 from __future__ import annotations
 
@@ -15,12 +22,14 @@ from dataclasses import dataclass, field
 
 from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
+from agentjax.engine_extras import ExtrasTracker
 from agentjax.kv import KVCacheManager
-from agentjax.runner.model_runner import ModelRunner
+from agentjax.kv.policy_order import engine_eviction_order
+from agentjax.runner.sharded_runner import check_engine_layout, make_model_runner
 from agentjax.sampling_params import SamplingParams
+from agentjax.spec_decode.setup import make_speculator, plan_speculation
 from agentjax.scheduler.request import AgentHints, EngineOutput, Request, RequestState
 from agentjax.scheduler.scheduler import Scheduler, SchedulerOutput
-from agentjax.scheduler.sessions import SessionTable
 from agentjax.structured.backend import GrammarBackend, all_allowed
 
 logger = logging.getLogger(__name__)
@@ -33,7 +42,8 @@ LATENCY_WINDOW = 10_000
 class EngineMetrics:
     """Counters and recent latency samples of the engine."""
 
-    prompt_tokens_total: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens received (a parallel sample's prompt once)
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (not read from the cache)
     generation_tokens_total: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
@@ -56,28 +66,42 @@ class StepRecord:
 class Engine:
     """Serves many requests at once on one model runner."""
 
-    def __init__(self, model_cfg: ModelConfig, params, engine_cfg: EngineConfig, tokenizer=None):
+    def __init__(self, model_cfg: ModelConfig, params, engine_cfg: EngineConfig, tokenizer=None, *,
+                 kv: KVCacheManager | None = None, runner=None, draft_model=None, offload=None):
+        """`kv` and `runner` replace the KV manager and the model runner built from the config (the
+        planning simulator, agentjax/bench/simulator.py, passes a virtual-clock runner), and `offload`, a
+        `(connector, worker)` pair over `kv`, the KV offload tiers (the simulator's virtual-time ones,
+        agentjax/bench/sim_offload.py). The model runs
+        the attention implementation `engine_cfg.model_config_for` picks (kernels on a GPU by default).
+        `draft_model`, a loaded `(config, params, tokenizer)`, replaces loading `speculative_config["model"]`."""
+        if runner is None:
+            model_cfg = engine_cfg.model_config_for(model_cfg)
+        model_cfg, drafting = plan_speculation(model_cfg, engine_cfg, tokenizer, draft_model)
+        self.draft_cfg = drafting.draft_cfg if drafting is not None else None
         self.model_cfg = model_cfg
         self.config = engine_cfg
         self.tokenizer = tokenizer
         self.max_model_len = engine_cfg.max_model_len or model_cfg.max_position_embeddings
-        num_pages = engine_cfg.num_kv_blocks or self._pages_for_memory(engine_cfg)
-        self.kv = KVCacheManager.from_model_config(
-            model_cfg, num_pages, engine_cfg.block_size, enable_caching=engine_cfg.enable_prefix_caching
-        )
-        if len(self.kv.plan.groups) != 1:
-            # One page table per batch row for now: treat every layer as one group (exact; the
-            # sliding window is applied by masking, out-of-window pages are simply kept).
-            from agentjax.kv.specs import specs_from_model_config
-
-            self.kv = KVCacheManager.from_specs(
-                specs_from_model_config(model_cfg.replace(layer_types=(), sliding_window=None)),
-                num_pages, engine_cfg.block_size, enable_caching=engine_cfg.enable_prefix_caching,
-                scale_tokens_per_page=False, cache_on_allocate=False,
+        if runner is None and not engine_cfg.parallel.is_single_device:
+            check_engine_layout(model_cfg, engine_cfg)  # a layout that does not fit fails before anything is built
+        if kv is None:
+            num_pages = engine_cfg.num_kv_blocks or self._pages_for_memory(engine_cfg)
+            # with DCP a page id holds block_size tokens on each DCP rank (sharding/mesh.py)
+            kv = KVCacheManager.from_model_config(
+                model_cfg, num_pages, engine_cfg.parallel.kv_page_tokens(engine_cfg.block_size),
+                enable_caching=engine_cfg.enable_prefix_caching, draft_config=self.draft_cfg,
+                eviction_order=engine_eviction_order(engine_cfg.kv_policy),  # the KV policy orders evictions
             )
-        self.runner = ModelRunner(model_cfg, params, num_pages, engine_cfg.block_size, engine_cfg.numerics)
-        self.scheduler = Scheduler(engine_cfg, self.kv)
-        self.sessions = SessionTable(self.kv)
+        self.kv = kv
+        self.runner = runner or make_model_runner(model_cfg, params, kv.pool.num_pages, engine_cfg, drafting=drafting)
+        self.offload, self.offload_worker = offload if offload is not None else (None, None)
+        if offload is None and engine_cfg.kv_offload_enabled:  # host, disk and Mooncake tiers (agentjax.kv.offload)
+            from agentjax.runner.offload_worker import build_offload
+
+            self.offload, self.offload_worker = build_offload(engine_cfg, model_cfg, params, self.kv)
+        self.speculator = make_speculator(engine_cfg, drafting)
+        self.scheduler = Scheduler(engine_cfg, self.kv, offload=self.offload, speculator=self.speculator,
+                                   max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
         self.step_log: deque[StepRecord] = deque(maxlen=engine_cfg.extra.get("step_log_size", 10_000))
@@ -85,9 +109,11 @@ class Engine:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self._grammar: GrammarBackend | None = None
+        self._extras = ExtrasTracker()
+        self._held_forks: dict[str, list[Request]] = {}  # first sample's id -> samples waiting for its prompt
 
     def _pages_for_memory(self, cfg: EngineConfig) -> int:
-        page_bytes = self.model_cfg.kv_bytes_per_token() * cfg.block_size
+        page_bytes = sum(model.kv_bytes_per_page(cfg.block_size) for model in (self.model_cfg, self.draft_cfg) if model)
         return max(16, int(cfg.kv_cache_memory_gb * 2**30) // page_bytes)
 
     # ---- requests -------------------------------------------------------------------------
@@ -102,10 +128,17 @@ class Engine:
         hints: AgentHints | None = None,
         cache_salt: str | None = None,
         pin_prefixes: Sequence[tuple[int, float]] = (),
+        fork_of: str | None = None,
     ) -> str:
         """Queue one request. `pin_prefixes` lists `(num_tokens, ttl_s)` prompt prefixes the client
         will send again (Anthropic `cache_control` marks): their pages stay pinned for `ttl_s` after
-        this turn ends."""
+        this turn ends.
+
+        `fork_of` names the first sample of a parallel group with the same prompt (`n` > 1): this
+        request waits until that one has computed the prompt and then reads its pages from the prefix
+        cache; its prompt is not counted again in `prompt_tokens_total` and it reports no prompt log
+        probabilities. Give each sample its own seed (`SamplingParams.for_sample`). A request with
+        `prompt_logprobs` does not read the prefix cache (every position's logits are needed)."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
@@ -117,7 +150,12 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.model_cfg.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_cfg.vocab_size})")
-        needed = -(-min(len(prompt) + sampling.max_tokens, self.max_model_len) // self.config.block_size)
+        bad = [t for t in sampling.logit_bias or () if t >= self.model_cfg.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                                      f"[0, {self.model_cfg.vocab_size})")
+        needed = self.kv.max_pages_for(min(len(prompt) + sampling.max_tokens, self.max_model_len),
+                                       self.config.max_num_batched_tokens)
         if needed > self.kv.pool.num_pages - 1:
             raise OutOfPagesError(
                 f"the request needs {needed} KV pages but the pool has {self.kv.pool.num_pages - 1}; "
@@ -136,6 +174,11 @@ class Engine:
             if not 0 < num_tokens <= len(prompt) or not ttl_s > 0:
                 raise InvalidRequestError(f"a pinned prefix must be 1..{len(prompt)} tokens with a positive TTL; "
                                           f"got {num_tokens} tokens for {ttl_s} s")
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if parent is not None:
+            cache_salt = parent.cache_salt  # the first sample's pages, whatever salt they were written under
+        elif sampling.prompt_logprobs is not None and fork_of is None:
+            cache_salt = f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"  # read no cached page
         request = Request(
             request_id, prompt, sampling, frozenset(stops), session_id=session_id, priority=priority,
             hints=hints, cache_salt=cache_salt, arrival_index=next(self._arrivals),
@@ -144,12 +187,22 @@ class Engine:
         )
         if sampling.structured is not None:
             request.matcher = self.grammar.new_matcher(sampling.structured)
+        request.allow_drafts = not sampling.has_penalties  # a penalty would have to count each draft as output
         self.requests[request_id] = request
-        if session_id is not None:
-            self.sessions.on_turn_start(session_id, request, hints)
-        self.scheduler.add(request)
-        self.metrics.prompt_tokens_total += len(prompt)
+        self._extras.add(request_id, prompt, sampling, report_prompt=fork_of is None)
+        if parent is not None and not parent.output_token_ids and parent.prompt_token_ids == prompt:
+            self._held_forks.setdefault(parent.request_id, []).append(request)
+        else:
+            self.scheduler.add(request)
+        if fork_of is None:
+            self.metrics.prompt_tokens_total += len(prompt)
         return request_id
+
+    def _release_forks(self, request_id: str) -> None:
+        """The first sample's prompt is computed (or it ended): its waiting samples may run."""
+        for fork in self._held_forks.pop(request_id, ()):
+            if not fork.is_finished:
+                self.scheduler.add(fork)
 
     @property
     def grammar(self) -> GrammarBackend:
@@ -172,61 +225,121 @@ class Engine:
             return
         request.state = RequestState.ABORTED
         request.finish_reason = "abort"
+        self._extras.remove(request_id)
+        self._release_forks(request_id)
+        for parent_id, forks in list(self._held_forks.items()):
+            if request in forks:  # a sample still waiting for its first sample: it holds nothing yet
+                forks.remove(request)
+                self.metrics.requests_aborted += 1
+                return
         self.scheduler.remove(request)
         self.metrics.requests_aborted += 1
 
     def end_session(self, session_id: str) -> None:
         """Release a session's pins now (the agent said it is done)."""
-        self.sessions.end(session_id)
+        self.scheduler.end_session(session_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._held_forks)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
         self._log(plan)
+        if self.offload_worker is not None:  # page stores and loads, before this step's copies
+            self.offload_worker.run(self.runner, plan.kv_transfers)
+            if not plan.scheduled and self.offload.num_held:
+                self.offload_worker.wait(0.01)  # only parked requests: wait for a tier, not spin
+                return []
         if not plan.scheduled:
             if self.scheduler.running or (self.scheduler.num_waiting and plan.admissions_allowed):
                 raise OutOfPagesError("no request can be scheduled: the KV pool is too small for what waits")
             return []
-        rows, sampling, constrained = [], [], []
-        for row, item in enumerate(plan.scheduled):
+        rows, sampling, constrained, counts, following = [], [], [], [], []
+        for item in plan.scheduled:
             request = item.request
             start = request.num_computed_tokens
-            pages = self.kv.block_ids(request.request_id)[0]
-            rows.append((request.all_token_ids[start : start + item.num_new_tokens], start, pages))
+            drafts = item.draft_token_ids
+            real = item.num_new_tokens - len(drafts)
+            rows.append((request.token_ids_between(start, start + real) + drafts, start, item.page_tables))
+            end = start + real  # the token after the row where it is known (a device drafter reads it)
+            following.append(request.token_ids_between(end, end + 1)[0] if end < request.num_tokens else -1)
             sp = request.sampling
             sampling.append((sp.temperature, sp.top_k, sp.top_p, request.seed, len(request.output_token_ids)))
-            if request.matcher is not None and start + item.num_new_tokens >= request.num_tokens:
-                constrained.append((request.matcher, row))  # this row's token is kept: constrain it
+            if request.matcher is not None and start + real >= request.num_tokens:
+                # this row's token is kept: constrain it (and each draft position, as if its drafts were taken)
+                constrained.append((request.matcher, sum(counts), drafts))
+            counts.append(1 + len(drafts))
         bitmask = None
         if constrained:
-            bitmask = all_allowed(len(rows), self.model_cfg.vocab_size)
-            self.grammar.fill_bitmask(bitmask, constrained)
-        tokens = self.runner.execute(rows, sampling, bitmask)
+            bitmask = all_allowed(sum(counts), self.model_cfg.vocab_size)
+            self.grammar.fill_bitmask_with_drafts(bitmask, constrained)
+        speculative = {"sample_counts": counts} if len(counts) < sum(counts) else {}
+        if getattr(self.runner, "drafter", None) is not None:
+            speculative["next_tokens"] = following
+        extras = self._extras.for_step(plan.scheduled)
+        results: dict = {}
+        if extras:
+            tokens, results = self.runner.execute_extended(rows, sampling, extras, bitmask, kv_copies=plan.kv_copies,
+                                                           **speculative)
+            self._extras.record(plan.scheduled, extras, results)
+        else:
+            tokens = self.runner.execute(rows, sampling, bitmask, kv_copies=plan.kv_copies, **speculative)
         self.num_steps += 1
         now = time.monotonic()
-        produced = self.scheduler.update_from_output(plan, tokens.tolist())
-        return [self._on_token(request, token, now) for request, token in produced]
+        self.metrics.prompt_tokens_computed += sum(
+            max(0, min(item.num_new_tokens, len(item.request.prompt_token_ids) - item.request.num_computed_tokens))
+            for item in plan.scheduled if item.is_prefill)
+        tokens = tokens.tolist()
+        starts = [0, *itertools.accumulate(counts)]
+        first_sample = {id(item.request): start for item, start in zip(plan.scheduled, starts)}
+        by_row = [tokens[start:stop] for start, stop in zip(starts, starts[1:])]
+        produced = self.scheduler.update_from_output(plan, by_row)
+        if "next_tokens" in speculative:
+            self.speculator.offer_from_step(plan.scheduled, self.runner.last_drafts, self.runner.page_size,
+                                            self.kv.plan.groups)
+        return [self._on_tokens(request, new, now, first_sample[id(request)], results) for request, new in produced]
 
-    def _on_token(self, request: Request, token: int, now: float) -> EngineOutput:
-        self.metrics.generation_tokens_total += 1
-        if request.matcher is not None and not request.matcher.consume_token(token):
-            logger.error("request %s: sampled token %d broke its grammar (%s)", request.request_id, token,
-                         request.matcher.get_error())
+    def _on_tokens(self, request: Request, tokens: list[int], now: float, first_sample: int = 0,
+                   results: dict | None = None) -> EngineOutput:
+        """Account for the tokens a step added to `request` (the scheduler appended them; several with
+        speculative decoding): they are checked one by one, and a stop condition met before the last
+        one drops the tokens after it. `first_sample` is the step's sampled position of the first."""
+        if len(tokens) > 1:  # re-added one at a time, so each stop check sees the output up to its token
+            del request.output_token_ids[-len(tokens):]
+        logprobs, prompt_logprobs, reason, kept = [], None, None, 0
+        extras = self._extras.requests.get(request.request_id)
+        for index, token in enumerate(tokens):
+            if len(tokens) > 1:
+                request.output_token_ids.append(token)
+            kept += 1
+            self.metrics.generation_tokens_total += 1
+            if len(request.output_token_ids) == 1:
+                self._release_forks(request.request_id)
+            if extras is not None:
+                extras.on_token(token)
+                entry = self._extras.sampled(request.request_id, token, first_sample + index, results or {})
+                if entry is not None:
+                    logprobs.append(entry)
+            if request.matcher is not None and not request.matcher.consume_token(token):
+                logger.error("request %s: sampled token %d broke its grammar (%s)", request.request_id, token,
+                             request.matcher.get_error())
+            reason = self._finish_reason(request)
+            if reason:
+                break
+        if extras is not None:
+            prompt_logprobs = extras.take_prompt_logprobs()
         if request.first_token_time is None:
             request.first_token_time = now
             self.metrics.ttft_s.append(now - request.arrival_time)
         else:
             self.metrics.itl_s.append(now - request.last_token_time)
         request.last_token_time = now
-        reason = self._finish_reason(request)
         if reason:
             self._finish(request, reason, now)
         return EngineOutput(
-            request.request_id, [token], reason is not None, reason,
-            max(request.num_cached_tokens, 0), len(request.prompt_token_ids),
+            request.request_id, tokens[:kept], reason is not None, reason,
+            max(request.num_cached_tokens, 0), len(request.prompt_token_ids), logprobs or None, prompt_logprobs,
         )
 
     def _finish_reason(self, request: Request) -> str | None:
@@ -236,9 +349,12 @@ class Engine:
             return "stop"
         if request.matcher is not None and (request.matcher.is_stopped() or request.matcher.is_error()):
             return "stop"  # the grammar is complete (only end-of-sequence could follow), or broken (logged)
-        if sp.stop and self.tokenizer is not None and generated >= sp.min_tokens:
-            text = self.tokenizer.decode(request.output_token_ids)
-            if any(stop in text for stop in sp.stop):
+        if sp.stop and self.tokenizer is not None:
+            from agentjax.stop_strings import reply_hit_stop_string
+
+            # Fed every new token (incremental: O(1) per token); a stop string that ends before
+            # min_tokens does not count, as in vLLM.
+            if reply_hit_stop_string(request, self.tokenizer) and generated >= sp.min_tokens:
                 return "stop"
         if generated >= sp.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
@@ -247,14 +363,10 @@ class Engine:
     def _finish(self, request: Request, reason: str, now: float) -> None:
         request.finish_reason = reason
         request.state = RequestState.FINISHED
-        if request.session_id is not None:
-            self.sessions.on_turn_end(request)
-        for num_tokens, ttl_s in request.pin_prefixes:
-            prefix = request.prompt_token_ids[:num_tokens]
-            self.kv.pin_prefix(("prefix", request.cache_salt, num_tokens, hash(tuple(prefix))), prefix,
-                               ttl_s=ttl_s, cache_salt=request.cache_salt)
-        self.scheduler.remove(request)
+        self.scheduler.finish(request)
         self.requests.pop(request.request_id, None)
+        self._extras.remove(request.request_id)
+        self._release_forks(request.request_id)
         self.metrics.requests_finished += 1
         self.metrics.e2e_s.append(now - request.arrival_time)
 
@@ -289,9 +401,12 @@ class Engine:
             "prefix_query_tokens": kv.get("queries", 0),
             "prefix_hit_tokens": kv.get("hits", 0),
             "prompt_tokens_total": self.metrics.prompt_tokens_total,
+            "prompt_tokens_computed_total": self.metrics.prompt_tokens_computed,
             "generation_tokens_total": self.metrics.generation_tokens_total,
             "requests_finished": self.metrics.requests_finished,
             "requests_aborted": self.metrics.requests_aborted,
             "num_steps": self.num_steps,
             "compiled_shapes": len(self.runner.compiled_shapes),
+            **({"spec_decode": self.speculator.stats.snapshot()} if self.speculator is not None else {}),
+            **({"kv_offload": self.offload.snapshot()} if self.offload is not None else {}),
         }

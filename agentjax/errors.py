@@ -31,3 +31,36 @@ class PromptTooLongError(InvalidRequestError):
 
 class OutOfPagesError(AgentjaxError):
     """The KV pool has too few free pages for a request."""
+
+
+class ModelConfigError(ModelLoadError):
+    """A model's config lacks a field the loader needs, or holds a value outside the allowed range."""
+
+
+class TensorMismatchError(ModelLoadError):
+    """A checkpoint's tensors do not match the model: missing, wrongly shaped or unexpected ones."""
+
+
+class CorruptCheckpointError(ModelLoadError):
+    """A checkpoint or cache file is truncated or unparsable, or its bytes fail their recorded checksums."""
+
+
+class KernelShapeError(AgentjaxError, ValueError):
+    """A Pallas kernel was called with shapes, block sizes or settings it does not support."""
+
+
+class RouterConfigError(AgentjaxError, ValueError):
+    """`agentjax router` was given no replicas, a malformed replica URL, or a policy it cannot run."""
+
+
+class OffloadTierError(AgentjaxError):
+    """A KV offload tier (host memory, disk, Mooncake Store) asked for in the engine settings cannot start."""
+
+
+class ParallelLayoutError(AgentjaxError, ValueError):
+    """The parallel settings (TP, DP/DEP, DCP, PCP, processes) do not fit the model or the devices."""
+
+
+class SpeculativeConfigError(AgentjaxError, ValueError):
+    """`speculative_config` names an unknown method, an out-of-range setting, or a method this model or
+    layout cannot run."""

@@ -3,25 +3,43 @@
     llm = LLM()                                     # the embedded SmolLM2-135M-Instruct
     outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0.0))
     out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))
+    outs = llm.generate(["2 + 2 ="], SamplingParams(n=3, seed=1, logprobs=5, prompt_logprobs=1))
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentjax.config import EngineConfig
-from agentjax.engine import Engine
+from agentjax.data_parallel import make_engine
 from agentjax.errors import InvalidRequestError
+from agentjax.logprobs import TokenLogprobs, cumulative_logprob
 from agentjax.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request: its text and ids, why it stopped, and its log probabilities when asked
+    (`cumulative_logprob` is their sum; with best_of it is how samples were ranked)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
 class RequestOutput:
-    """One finished request: generated text and ids, and how much of its prompt was cached."""
+    """One finished request: generated text and ids, and how much of its prompt was cached.
+
+    `outputs` holds every returned sample (n of them); the flat fields are the first sample's.
+    `prompt_logprobs` has one entry per prompt token (the first None) when asked for."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -29,6 +47,9 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class LLM:
@@ -43,11 +64,23 @@ class LLM:
                 f"unknown engine settings {sorted(unknown)}; known: {sorted(_ENGINE_FIELDS - {'extra'})}"
             )
         self.engine_config = EngineConfig(**engine_args)
+        if self.engine_config.num_processes > 1:
+            from sharding.distributed import initialize
+
+            initialize(self.engine_config)  # before any device is used
         self.model_config, self.params, self.tokenizer = load_model(model, dtype=dtype)
-        self.engine = Engine(self.model_config, self.params, self.engine_config, self.tokenizer)
+        self.engine = make_engine(self.model_config, self.params, self.engine_config, self.tokenizer)
+
+    def _require_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"{what} needs a tokenizer and model {self.model_config.name!r} has none "
+                f"(its directory has no tokenizer.json); give prompts as lists of token ids"
+            )
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            self._require_tokenizer("a text prompt")
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
@@ -60,8 +93,19 @@ class LLM:
         """Generate for every prompt (text or token ids) in one batched run, in prompt order.
 
         `session_ids` (one per prompt) mark turns of agent sessions: a finished turn's pages stay
-        pinned for a while so the session's next turn finds its prefix cached.
+        pinned for a while so the session's next turn finds its prefix cached. With `n` (or `best_of`)
+        > 1 the samples share the prompt's pages; the best `n` of `best_of` by cumulative log
+        probability are returned. With several processes (`num_processes`) every process calls this
+        with the same arguments: process 0 runs the engine, the others follow its steps, and all
+        return its outputs.
         """
+        if self.engine_config.num_processes > 1:
+            from sharding.distributed import generate_across_processes
+
+            return generate_across_processes(self, self._generate, prompts, sampling_params, session_ids)
+        return self._generate(prompts, sampling_params, session_ids)
+
+    def _generate(self, prompts, sampling_params=None, session_ids=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sampling_params = sampling_params or SamplingParams()
@@ -75,34 +119,51 @@ class LLM:
         session_ids = list(session_ids) if session_ids is not None else [None] * len(prompts)
         if len(session_ids) != len(prompts):
             raise InvalidRequestError(f"got {len(session_ids)} session ids for {len(prompts)} prompts")
-        ids = []
+        groups: list[list[str]] = []
+        added: list[str] = []
         try:
             for prompt, sp, session_id in zip(encoded, sampling_params, session_ids):
-                ids.append(self.engine.add_request(prompt, sp, session_id=session_id))
+                groups.append([])
+                for index in range(sp.num_samples):
+                    sample = sp.for_sample(index)
+                    if sp.num_samples > sp.n and sample.logprobs is None:
+                        sample = dataclasses.replace(sample, logprobs=0)  # best_of ranks by log probability
+                    fork_of = groups[-1][0] if index else None
+                    added.append(self.engine.add_request(prompt, sample, session_id=session_id, fork_of=fork_of))
+                    groups[-1].append(added[-1])
         except Exception:
-            for request_id in ids:
+            for request_id in added:
                 self.engine.abort(request_id)
             raise
-        generated: dict[str, list[int]] = {i: [] for i in ids}
-        reasons: dict[str, str | None] = {}
-        cached: dict[str, int] = {}
+        streams = {i: _SampleStream() for i in added}
         for out in self.engine.run_until_done():
-            if out.request_id in generated:
-                generated[out.request_id].extend(out.new_token_ids)
-                cached[out.request_id] = out.num_cached_tokens
-                if out.finished:
-                    reasons[out.request_id] = out.finish_reason
-        results = []
-        for request_id, prompt, sp in zip(ids, encoded, sampling_params):
-            tokens = generated[request_id]
-            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.add(out)
+        return [self._request_output(ids, prompt, sp, streams)
+                for ids, prompt, sp in zip(groups, encoded, sampling_params)]
+
+    def _request_output(self, ids: list[str], prompt: list[int], sp: SamplingParams,
+                        streams: dict[str, "_SampleStream"]) -> RequestOutput:
+        samples = []
+        for index, request_id in enumerate(ids):
+            stream = streams[request_id]
+            text = self.tokenizer.decode(stream.tokens) if self.tokenizer is not None else ""
             for stop in sp.stop:
                 if stop in text:
                     text = text[: text.index(stop)]
-            results.append(
-                RequestOutput(request_id, prompt, tokens, text, reasons.get(request_id), cached.get(request_id, 0))
-            )
-        return results
+            logprobs = stream.logprobs if stream.logprobs else ([] if sp.logprobs is not None else None)
+            cumulative = cumulative_logprob(stream.logprobs) if stream.logprobs else None
+            samples.append(CompletionOutput(index, text, stream.tokens, stream.reason, logprobs, cumulative))
+        if len(samples) > sp.n:  # best_of: keep the n most likely samples
+            samples = sorted(samples, key=lambda c: -c.cumulative_logprob)[: sp.n]
+            for index, sample in enumerate(samples):
+                sample.index = index
+                if sp.logprobs is None:
+                    sample.logprobs = None
+        first, head = samples[0], streams[ids[0]]
+        return RequestOutput(ids[0], prompt, first.token_ids, first.text, first.finish_reason, head.cached,
+                             first.logprobs, head.prompt_logprobs, samples)
 
     def chat(
         self,
@@ -112,5 +173,26 @@ class LLM:
         **template_kwargs: Any,
     ) -> RequestOutput:
         """One assistant reply to `messages`, rendered with the model's chat template."""
+        self._require_tokenizer("chat")
         prompt = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
         return self.generate([prompt], sampling_params, session_ids=[session_id])[0]
+
+
+class _SampleStream:
+    """What one engine request produced, output by output."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.reason: str | None = None
+        self.cached = 0
+
+    def add(self, out) -> None:
+        self.tokens.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs or ())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.cached = out.num_cached_tokens
+        if out.finished:
+            self.reason = out.finish_reason

@@ -1,21 +1,26 @@
 """Save converted model parameters with orbax and restore them, so a second start skips conversion.
 
-A cache entry is a directory holding the orbax checkpoint of the flat parameter arrays and the
-model config as JSON. Entries are keyed by the source file's identity (path, size, mtime) and the
-parameter format version, so a changed file or converter never serves stale weights.
+A cache entry is a directory holding the orbax checkpoint of the flat parameter arrays, the
+model config as JSON, and checksums.json: every array's CRC-32, recorded at conversion and
+verified on restore, so a torn or bit-flipped entry fails with `CorruptCheckpointError` instead
+of serving wrong weights. Entries are keyed by the source file's identity (path, size, mtime)
+and the parameter format version, so a changed file or converter never serves stale weights.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 
-from agentjax.config import ModelConfig, RopeScaling
+from agentjax.config import ModelConfig
+from agentjax.errors import CorruptCheckpointError
+from checkpoints.integrity import manifest, verify_arrays, verify_config
 
 logger = logging.getLogger(__name__)
 
@@ -30,39 +35,59 @@ def cache_key(source: Path) -> str:
 
 
 def config_to_json(cfg: ModelConfig) -> str:
-    return json.dumps(dataclasses.asdict(cfg))
+    return json.dumps(cfg.to_dict())
 
 
 def config_from_json(text: str) -> ModelConfig:
-    fields = json.loads(text)
-    if fields.get("rope_scaling"):
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    for name in ("layer_types", "eos_token_ids"):
-        fields[name] = tuple(fields[name])
-    return ModelConfig(**fields)
+    return ModelConfig.from_dict(json.loads(text))
+
+
+CHECKSUMS_FILE = "checksums.json"
 
 
 def save_params(directory: Path, cfg: ModelConfig, arrays: dict[str, np.ndarray]) -> None:
-    """Write `arrays` and `cfg` under `directory` (replaced atomically if it exists)."""
+    """Write `arrays`, `cfg` and their checksums under `directory` (replaced atomically if it exists)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory)
-    staging = directory.with_name(directory.name + ".staging")
+    staging = directory.with_name(f"{directory.name}.staging-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    host_arrays = {k: np.asarray(v) for k, v in arrays.items()}
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(staging.resolve() / "params", {k: np.asarray(v) for k, v in arrays.items()})
-    (staging / "config.json").write_text(config_to_json(cfg))
+        checkpointer.save(staging.resolve() / "params", host_arrays)
+    config_text = config_to_json(cfg)
+    (staging / "config.json").write_text(config_text)
+    (staging / CHECKSUMS_FILE).write_text(json.dumps(manifest(host_arrays, config_text)))
     shutil.rmtree(directory, ignore_errors=True)
     staging.rename(directory)
 
 
-def restore_params(directory: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read back what `save_params` wrote, as host numpy arrays."""
+def restore_params(directory: Path, verify: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read back what `save_params` wrote, as host numpy arrays; with `verify`, every array is
+    checked against the checksums recorded at save time (`CorruptCheckpointError` names the ones
+    that fail, or says that the entry has no checksums)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory)
-    cfg = config_from_json((directory / "config.json").read_text())
+    where = f"cache entry {directory.name}"
+    config_text = (directory / "config.json").read_text()
+    recorded = None
+    if verify:
+        checksums_path = directory / CHECKSUMS_FILE
+        if not checksums_path.is_file():
+            raise CorruptCheckpointError(f"{where} has no {CHECKSUMS_FILE} (written before checksums were recorded)")
+        try:
+            recorded = json.loads(checksums_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptCheckpointError(f"{where}: {CHECKSUMS_FILE} is not valid JSON ({exc})") from None
+        verify_config(recorded, config_text, where)
+    cfg = config_from_json(config_text)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(directory.resolve() / "params")
-    return cfg, {name: np.asarray(value) for name, value in restored.items()}
+    arrays = {name: np.asarray(value) for name, value in restored.items()}
+    if recorded is not None:
+        started = time.perf_counter()
+        verify_arrays(recorded, arrays, where)
+        logger.info("verified %d arrays of %s in %.2fs", len(arrays), directory.name, time.perf_counter() - started)
+    return cfg, arrays

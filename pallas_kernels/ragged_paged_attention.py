@@ -1,20 +1,28 @@
-"""Ragged paged attention: the pure-jnp reference that the future Pallas kernel must match.
+"""Ragged paged attention: the pure-jnp reference and the Triton-style Pallas kernel that matches it.
 
 One call serves a ragged batch of sequences, each with some new query tokens (a prefill chunk or
 one decode token) over KV that lives in fixed-size pages. It first writes the new K/V into their
-pages, then attends causally (optionally inside a sliding window). The reference streams over KV
-pages with an online softmax, so it never materialises a full query-by-key score matrix, and the
-per-token arithmetic does not depend on which other tokens share the batch.
+pages, then attends causally (optionally inside a sliding window, with a logit soft cap and
+per-head attention sinks) and can return each query head's log-sum-exp. The reference streams
+over KV pages with an online softmax, so it never materialises a full query-by-key score matrix,
+and the per-token arithmetic does not depend on which other tokens share the batch. The kernel
+(`ragged_paged_attention_kernel`, below) targets Pallas' Triton backend on Hopper and Blackwell
+(deprecated from jax 0.11, no removal date) and runs in interpret mode on a CPU; the CPU runner
+never uses it.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-# Rows per block in batch-invariant mode: every block has the same shape whatever the batch,
-# so XLA emits the same arithmetic for each row. Measured on XLA's CPU backend for 8..64.
-INVARIANT_ROW_BLOCK = 8
+from agentjax.errors import KernelShapeError
+
+from agentjax.numerics import INVARIANT_ROW_BLOCK, map_row_blocks  # noqa: F401 (re-exported)
 
 # Query tokens per block in the fast path: a block inside one sequence shares its page gathers.
 FAST_QUERY_BLOCK = 64
@@ -22,19 +30,6 @@ FAST_QUERY_BLOCK = 64
 # Finite stand-in for -inf in the running max: a fully masked block then leaves the
 # accumulators exactly unchanged (exp(-inf - finite) == 0, exp(0) == 1) instead of making NaN.
 _NEG_LARGE = -1e30
-
-
-def map_row_blocks(fn, *arrays: Array, block: int = INVARIANT_ROW_BLOCK) -> Array:
-    """`fn(*arrays)` computed over fixed blocks of `block` leading rows (zero-padded), in order."""
-    rows = arrays[0].shape[0]
-    pad = (-rows) % block
-
-    def blocked(x):
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(-1, block, *x.shape[1:])
-
-    out = jax.lax.map(lambda xs: fn(*xs), tuple(blocked(x) for x in arrays))
-    return out.reshape(-1, *out.shape[2:])[:rows]
 
 
 def write_kv(
@@ -65,13 +60,18 @@ def attend_paged(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     pages_per_block: int = 4,
-) -> Float[Array, "tokens heads dim"]:
-    """Causal attention of each query token over its own sequence's pages.
+) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "tokens heads"]]:
+    """Causal attention of each query token over its own sequence's pages: `(out, lse)`.
 
     `token_page_table[t]` is the page table of token t's sequence (padded with page 0) and
     `token_positions[t]` its position; key j is visible when `j <= pos` and, with a window W,
-    `j > pos - W`. Streams `pages_per_block` pages per iteration with an online softmax. A 1-D
+    `j > pos - W`. Scores are `q.k * sm_scale`, then `soft_cap * tanh(score / soft_cap)` with a
+    soft cap; a head's sink logit joins the softmax denominator and carries no value. `lse` is
+    the natural log of that denominator (float32; -inf for a token that sees no key and has no
+    sink). Streams `pages_per_block` pages per iteration with an online softmax. A 1-D
     `token_page_table` is one table shared by every token (tokens of one sequence): its pages
     are then gathered once, not once per token.
     """
@@ -91,12 +91,15 @@ def attend_paged(
     qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, dim)
     offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
-    # Blocks past the furthest query position are fully masked for every token here: skip them
-    # (an exact no-op either way), so padded page tables and causal tails cost nothing.
+    # Blocks past the furthest query position, or wholly before the earliest query's window, are
+    # fully masked for every token here: skip them (an exact no-op either way), so padded page
+    # tables, causal tails and the released pages before a sliding window cost nothing.
     last_position = token_positions.max()
+    first_visible = token_positions.min() - sliding_window + 1 if sliding_window is not None else 0
 
     def body(block, carry):
-        return jax.lax.cond(block * block_tokens <= last_position, attend_block, lambda _, c: c, block, carry)
+        needed = (block * block_tokens <= last_position) & ((block + 1) * block_tokens > first_visible)
+        return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
 
     def attend_block(block, carry):
         m, denom, acc = carry
@@ -111,6 +114,8 @@ def attend_paged(
         if sliding_window is not None:
             visible &= key_pos[None, :] > (token_positions[:, None] - sliding_window)
         scores = jnp.einsum("thgd,ushd->thgs", qg, k) if shared else jnp.einsum("thgd,tshd->thgs", qg, k)
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         alpha = jnp.exp(m - m_new)
@@ -125,10 +130,18 @@ def attend_paged(
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, dim), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group)
+        m_final = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_final)
+        denom = denom * alpha + jnp.exp(sink - m_final)
+        acc = acc * alpha[..., None]
+        m = m_final
     # Padding tokens see no key at all; keep them finite.
     out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]
-    return out.reshape(num_tokens, num_heads, dim).astype(q.dtype)
+    lse = jnp.where(denom == 0, -jnp.inf, m + jnp.log(jnp.where(denom == 0, 1.0, denom)))
+    return out.reshape(num_tokens, num_heads, dim).astype(q.dtype), lse.reshape(num_tokens, num_heads)
 
 
 def ragged_paged_attention(
@@ -147,9 +160,15 @@ def ragged_paged_attention(
     slot_mapping: Int[Array, " tokens"],
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     batch_invariant: bool = False,
-) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"]]:
-    """Write this step's K/V into layer `layer`'s pages, then attend: `(out, kv_pages)`.
+    return_lse: bool = False,
+) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"]] | tuple[
+    Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"], Float[Array, "tokens heads"]
+]:
+    """Write this step's K/V into layer `layer`'s pages, then attend: `(out, kv_pages)`, or
+    `(out, kv_pages, lse)` with `return_lse` (lse: float32 `[tokens, heads]`, see `attend_paged`).
 
     The leading arguments follow the ragged paged attention convention of the JAX serving
     engines. `kv_lens[b]` counts sequence b's KV after this step; its query tokens are
@@ -163,12 +182,14 @@ def ragged_paged_attention(
 
     def attend(q_rows, table_rows, position_rows):
         return attend_paged(
-            q_rows, kv_pages, layer, table_rows, position_rows, sm_scale=sm_scale, sliding_window=sliding_window
+            q_rows, kv_pages, layer, table_rows, position_rows, sm_scale=sm_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap, sinks=sinks,
         )
 
     token_tables = page_indices[token_seq_ids]
     if batch_invariant:
-        return map_row_blocks(attend, q, token_tables, token_positions), kv_pages
+        out, lse = map_row_blocks(attend, q, token_tables, token_positions)
+        return (out, kv_pages, lse) if return_lse else (out, kv_pages)
 
     def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
         # A block of one sequence's tokens (a prefill chunk) gathers its pages once.
@@ -179,5 +200,256 @@ def ragged_paged_attention(
         )
 
     block = min(FAST_QUERY_BLOCK, q.shape[0])
-    out = map_row_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids, block=block)
-    return out, kv_pages
+    out, lse = map_row_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids, block=block)
+    return (out, kv_pages, lse) if return_lse else (out, kv_pages)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton-style Pallas kernel (GPU: Hopper and Blackwell through the Triton backend; CPU:
+# interpret mode only). One program attends one "work item" (up to `query_rows // group`
+# consecutive query tokens of one sequence, times the `group` query heads of one KV head, as
+# `query_rows` dot rows) over one share of that sequence's KV blocks.
+# ---------------------------------------------------------------------------------------------
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+def work_items(
+    cu_q_lens: Int[Array, " seqs_plus_1"], num_tokens: int, tokens_per_item: int
+) -> tuple[Int[Array, " items"], Int[Array, " items"], Int[Array, " items"]]:
+    """Cut every row's query tokens into items of at most `tokens_per_item`: `(seq, start, count)`.
+
+    The item count is static (`cdiv(num_tokens, tokens_per_item) + seqs`, enough for any split);
+    items past the last one have count 0. `start` is a flat token index.
+    """
+    seqs = cu_q_lens.shape[0] - 1
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    items_per_seq = (q_lens + tokens_per_item - 1) // tokens_per_item
+    ends = jnp.cumsum(items_per_seq)
+    item = jnp.arange(-(-num_tokens // tokens_per_item) + seqs, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)
+    used = seq < seqs
+    seq = jnp.minimum(seq, seqs - 1)
+    local = item - (ends[seq] - items_per_seq[seq])
+    start = cu_q_lens[seq] + local * tokens_per_item
+    count = jnp.where(used, jnp.clip(q_lens[seq] - local * tokens_per_item, 0, tokens_per_item), 0)
+    return seq, start.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def merge_attention_partials(
+    outs: Float[Array, "parts tokens heads dim"], lses: Float[Array, "parts tokens heads"]
+) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "tokens heads"]]:
+    """Combine attention over disjoint key sets from each part's normalised output and LSE.
+
+    The merge a split-KV decode or a decode-context-parallel step needs: float32 out and LSE; a
+    part with LSE -inf (no key) weighs nothing, and a token no part saw gets out 0, LSE -inf.
+    """
+    top = lses.max(axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.exp(lses - top)
+    total = weights.sum(axis=0)
+    safe_total = jnp.where(total == 0, 1.0, total)
+    out = (weights[..., None] * outs.astype(jnp.float32)).sum(axis=0) / safe_total[..., None]
+    lse = jnp.where(total == 0, -jnp.inf, top + jnp.log(safe_total))
+    return out, lse
+
+
+def _ragged_paged_attention_kernel(
+    layer_ref, item_seq_ref, item_start_ref, item_count_ref, kv_lens_ref, cu_q_lens_ref, table_ref, q_ref, kv_ref,
+    sinks_ref, out_ref, lse_ref, *, group, query_rows, kv_block, page_size, num_pages, num_kv_heads, dim,
+    sm_scale, sliding_window, soft_cap, num_splits, apply_sinks, interpret,
+):
+    item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq, start, count = item_seq_ref[item], item_start_ref[item], item_count_ref[item]
+    layer = layer_ref[0]
+    max_pages = table_ref.shape[1]
+    padded_dim = _next_power_of_two(dim)
+
+    row = jnp.arange(query_rows, dtype=jnp.int32)
+    row_used = row // group < count
+    token = jnp.where(row_used, start + row // group, 0)
+    # In interpret mode unused rows store into a spare last token row (sliced off), never onto a used
+    # row's address: interpret mode writes masked lanes back with their old value.
+    store_token = jnp.where(row_used, token, out_ref.shape[1] - 1) if interpret else token
+    head = kv_head * group + row % group
+    lane = jnp.arange(padded_dim, dtype=jnp.int32)
+    lane_used = lane < dim
+    row_mask = row_used[:, None] & lane_used[None, :]
+
+    seq_start, seq_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+    context = kv_lens_ref[seq] - (seq_end - seq_start)
+    position = context + (token - seq_start)
+    first_position = context + (start - seq_start)
+    kv_end = first_position + count
+    kv_begin = jnp.maximum(first_position - sliding_window + 1, 0) if sliding_window is not None else 0
+    block_lo = kv_begin // kv_block
+    block_hi = jnp.where(count > 0, (kv_end + kv_block - 1) // kv_block, block_lo)
+    per_split = (block_hi - block_lo + num_splits - 1) // num_splits
+    split_lo = jnp.minimum(block_lo + split * per_split, block_hi)
+    split_hi = jnp.minimum(split_lo + per_split, block_hi)
+
+    q = plt.load(q_ref.at[token[:, None], head[:, None], lane[None, :]], mask=row_mask, other=0)
+    precise = dict(allow_tf32=False) if q.dtype == jnp.float32 else {}
+    key_offsets = jnp.arange(kv_block, dtype=jnp.int32)
+    kv_heads_column = jnp.full((kv_block, 1), kv_head, jnp.int32)
+
+    def attend_block(block, carry):
+        m, denom, acc = carry
+        key_position = block * kv_block + key_offsets
+        key_used = key_position < kv_end
+        page_slot = jnp.minimum(key_position // page_size, max_pages - 1)
+        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=key_used, other=0)
+        kv_row = (layer * num_pages + page) * page_size + key_position % page_size
+        key_mask = key_used[:, None] & lane_used[None, :]
+        k = plt.load(kv_ref.at[kv_row[:, None], kv_heads_column, lane[None, :]], mask=key_mask, other=0)
+        v = plt.load(kv_ref.at[kv_row[:, None], kv_heads_column + num_kv_heads, lane[None, :]], mask=key_mask, other=0)
+        scores = plt.dot(q, k.astype(q.dtype), trans_b=True, **precise) * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        visible = (key_position[None, :] <= position[:, None]) & key_used[None, :]
+        if sliding_window is not None:
+            visible &= key_position[None, :] > position[:, None] - sliding_window
+        scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(scores - m_new[:, None])
+        denom = denom * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v, **precise)
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((query_rows,), _NEG_LARGE, jnp.float32),
+        jnp.zeros((query_rows,), jnp.float32),
+        jnp.zeros((query_rows, padded_dim), jnp.float32),
+    )
+    m, denom, acc = jax.lax.fori_loop(split_lo, split_hi, attend_block, init)
+    if apply_sinks:
+        sink = plt.load(sinks_ref.at[head])
+        m_final = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_final)
+        denom = denom * alpha + jnp.exp(sink - m_final)
+        acc = acc * alpha[:, None]
+        m = m_final
+    safe_denom = jnp.where(denom == 0, 1.0, denom)
+    out = acc / safe_denom[:, None]
+    lse = jnp.where(denom == 0, -jnp.inf, m + jnp.log(safe_denom))
+    split_rows = jnp.full((query_rows,), split, jnp.int32)
+    plt.store(out_ref.at[split_rows[:, None], store_token[:, None], head[:, None], lane[None, :]],
+              out.astype(out_ref.dtype), mask=row_mask)
+    plt.store(lse_ref.at[split_rows, store_token, head], lse, mask=row_used)
+
+
+def ragged_paged_attention_kernel(
+    q: Float[Array, "tokens heads dim"],
+    k: Float[Array, "tokens kv_heads dim"],
+    v: Float[Array, "tokens kv_heads dim"],
+    kv_pages: Float[Array, "layers pages page_size kv2 dim"],
+    kv_lens: Int[Array, " seqs"],
+    page_indices: Int[Array, "seqs max_pages"],
+    cu_q_lens: Int[Array, " seqs_plus_1"],
+    distribution: Int[Array, " 3"] | None = None,
+    *,
+    layer: int | Int[Array, ""],
+    slot_mapping: Int[Array, " tokens"],
+    return_lse: bool = False,
+    token_seq_ids: Int[Array, " tokens"] | None = None,
+    token_positions: Int[Array, " tokens"] | None = None,
+    batch_invariant: bool = False,
+    **options,
+):
+    """The reference's contract (write K/V, attend; the same arguments and results) with the
+    attention as one kernel (`paged_attention_kernel`, whose keyword `options` it takes). Per-token
+    metadata is recomputed from `kv_lens`/`cu_q_lens`, so `token_seq_ids`/`token_positions` are
+    ignored. Batch invariance: each token's reduction order depends only on its own row and the
+    fixed block sizes (keep `num_kv_splits` fixed)."""
+    del distribution, token_seq_ids, token_positions, batch_invariant
+    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping)
+    out, lse = paged_attention_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, layer=layer, **options)
+    return (out, kv_pages, lse) if return_lse else (out, kv_pages)
+
+
+def paged_attention_kernel(
+    q: Float[Array, "tokens heads dim"],
+    kv_pages: Float[Array, "layers pages page_size kv2 dim"],
+    kv_lens: Int[Array, " seqs"],
+    page_indices: Int[Array, "seqs max_pages"],
+    cu_q_lens: Int[Array, " seqs_plus_1"],
+    *,
+    layer: int | Int[Array, ""],
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+    query_rows: int | None = None,
+    kv_block: int = 64,
+    num_kv_splits: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "tokens heads"]]:
+    """Attention of every query token over its row's pages (already holding this step's K/V): `(out, lse)`.
+
+    `attend_paged`'s semantics with row metadata: row b's tokens are `q[cu_q_lens[b]:cu_q_lens[b+1]]`,
+    its KV length after the step `kv_lens[b]`. Padding tokens (past `cu_q_lens[-1]`) get out 0 and
+    LSE -inf. Tuning: `query_rows` dot rows per program (a power of two >= 16 and >= the GQA group;
+    default 16 for a decode-shaped batch, 64 otherwise), `kv_block` keys per step (a power of two
+    >= 16), `num_kv_splits` programs per item over disjoint key ranges merged by LSE (flash-decoding),
+    `num_warps`/`num_stages` for Triton.
+    """
+    num_tokens, num_heads, dim = q.shape
+    num_layers, num_pages, page_size, kv2, kv_dim = kv_pages.shape
+    num_kv_heads = kv2 // 2
+    if kv_dim != dim or num_heads % num_kv_heads:
+        raise KernelShapeError(
+            f"paged_attention_kernel: q {q.shape} does not fit kv_pages {kv_pages.shape} "
+            f"(head dims must match and {num_heads} query heads must be a multiple of {num_kv_heads} KV heads)")
+    group = num_heads // num_kv_heads
+    if query_rows is None:
+        query_rows = 16 if num_tokens <= kv_lens.shape[0] else 64
+    query_rows = max(query_rows, _next_power_of_two(group))
+    for name, value in (("query_rows", query_rows), ("kv_block", kv_block), ("page_size", page_size)):
+        if value != _next_power_of_two(value) or (name != "page_size" and value < 16):
+            raise KernelShapeError(f"paged_attention_kernel: {name}={value} must be a power of two (>= 16 for blocks)")
+    if num_kv_splits < 1:
+        raise KernelShapeError(f"paged_attention_kernel: num_kv_splits={num_kv_splits} must be >= 1")
+
+    item_seq, item_start, item_count = work_items(cu_q_lens, num_tokens, query_rows // group)
+    apply_sinks = sinks is not None and num_kv_splits == 1
+    sink_values = jnp.zeros((num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
+    kernel = functools.partial(
+        _ragged_paged_attention_kernel, group=group, query_rows=query_rows, kv_block=kv_block, page_size=page_size,
+        num_pages=num_pages, num_kv_heads=num_kv_heads, dim=dim, sm_scale=float(sm_scale),
+        sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_kv_splits, apply_sinks=apply_sinks,
+        interpret=bool(interpret),
+    )
+    spare = 1 if interpret else 0
+    outs, lses = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_kv_splits, num_tokens + spare, num_heads, dim), out_dtype),
+            jax.ShapeDtypeStruct((num_kv_splits, num_tokens + spare, num_heads), jnp.float32),
+        ),
+        grid=(item_seq.shape[0], num_kv_heads, num_kv_splits),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1), item_seq, item_start, item_count, kv_lens.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
+        kv_pages.reshape(num_layers * num_pages * page_size, kv2, dim), sink_values,
+    )
+    if spare:
+        outs, lses = outs[:, :num_tokens], lses[:, :num_tokens]
+    if num_kv_splits == 1:
+        out, lse = outs[0], lses[0]
+    else:
+        if sinks is not None:
+            sink_lse = jnp.broadcast_to(sink_values, (1, num_tokens, num_heads))
+            outs = jnp.concatenate([outs, jnp.zeros((1, num_tokens, num_heads, dim), outs.dtype)])
+            lses = jnp.concatenate([lses, sink_lse])
+        out, lse = merge_attention_partials(outs, lses)
+    real = jnp.arange(num_tokens) < cu_q_lens[-1]
+    return jnp.where(real[:, None, None], out, 0).astype(q.dtype), jnp.where(real[:, None], lse, -jnp.inf)

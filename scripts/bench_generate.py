@@ -21,12 +21,12 @@ replacing only that section. agentjax runs with numerics="fast" and prefix cachi
 runs of one prompt are not served from cache).
 
 Usage:
-    python scripts/bench_generate.py --hf-python /tmp/hf-venv/bin/python
+    python scripts/bench_generate.py --hf-python HF_VENV/bin/python
     python scripts/bench_generate.py --runs 5 --no-write      # print only
     python scripts/bench_generate.py --help
 
 The transformers venv (Python 3.11, CPU torch):
-    python3 -m venv /tmp/hf-venv && /tmp/hf-venv/bin/pip install torch==2.13.0 transformers accelerate gguf
+    python3 -m venv HF_VENV && HF_VENV/bin/pip install torch==2.13.0 transformers accelerate gguf
 Without it the agentjax side still runs and the transformers column reads "not run".
 """
 from __future__ import annotations
@@ -47,9 +47,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "bench_generate_hf_peer.py"
+BASELINE_PEER = Path(__file__).resolve().parent / "bench_generate_agentjax_peer.py"
 SECTION = "## Generation (SmolLM2-135M, CPU)"
 VENV_HINT = (
-    "python3 -m venv /tmp/hf-venv && /tmp/hf-venv/bin/pip install torch==2.13.0 transformers accelerate gguf"
+    "python3 -m venv HF_VENV && HF_VENV/bin/pip install torch==2.13.0 transformers accelerate gguf"
 )
 
 # Sixteen short instructions for the throughput batches (one each; batch 1 uses the first).
@@ -88,8 +89,8 @@ DIVERGENCE_LENGTHS = [3, 9, 14, 22, 31, 40, 52, 63, 77, 90, 108, 126, 149, 173, 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf-python", default="/tmp/hf-venv/bin/python",
-                        help="Python of the transformers venv (default /tmp/hf-venv/bin/python)")
+    parser.add_argument("--hf-python", default=os.environ.get("AGENTJAX_HF_PYTHON", ""),
+                        help="Python of the transformers venv (default $AGENTJAX_HF_PYTHON)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per figure, after one warm-up (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for each side (default 2)")
     parser.add_argument("--batch", type=int, default=16, help="the large decode batch (default 16)")
@@ -101,6 +102,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     parser.add_argument("--skip-start", action="store_true", help="skip the cold/warm LLM() start timing")
     parser.add_argument("--skip-divergence", action="store_true", help="skip the batch-vs-alone check")
+    parser.add_argument("--baseline-rev", default="",
+                        help="also time agentjax at this git revision (a worktree, in its own process), "
+                             "alternating with this checkout")
     return parser.parse_args()
 
 
@@ -122,16 +126,25 @@ class PeerError(RuntimeError):
     pass
 
 
-class HfPeer:
-    """The transformers process: one JSON request a line in, one JSON reply a line out."""
+class Peer:
+    """A peer process (transformers, or agentjax at another revision): one JSON request a line in,
+    one JSON reply a line out."""
 
-    def __init__(self, python: str, gguf: Path, threads: int):
-        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="bench-hf-peer-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [python, str(PEER), "--gguf", str(gguf), "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file, text=True, bufsize=1,
-        )
+    def __init__(self, command: list[str], env: dict | None = None, cwd: Path | None = None):
+        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="bench-peer-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file,
+                                     text=True, bufsize=1, env=env, cwd=cwd)
         self.info = self._read()
+
+    @classmethod
+    def transformers(cls, python: str, gguf: Path, threads: int) -> "Peer":
+        return cls([python, str(PEER), "--gguf", str(gguf), "--threads", str(threads)])
+
+    @classmethod
+    def agentjax_at(cls, worktree: Path, revision: str, threads: int, engine_args: dict) -> "Peer":
+        env = dict(os.environ, PYTHONPATH=str(worktree))
+        return cls([sys.executable, str(BASELINE_PEER), "--threads", str(threads), "--engine-args",
+                    json.dumps(engine_args), "--revision", revision], env=env, cwd=worktree)
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -139,7 +152,7 @@ class HfPeer:
             self.proc.wait()
             self.log_file.seek(0)
             tail = self.log_file.read()[-2000:]
-            raise PeerError(f"the transformers peer exited ({self.proc.returncode}); its log ends:\n{tail}")
+            raise PeerError(f"the peer exited ({self.proc.returncode}); its log ends:\n{tail}")
         return json.loads(line)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -312,20 +325,29 @@ def main() -> None:
     gguf = smollm2_path()
     peer = None
     peer_note = ""
-    if Path(args.hf_python).exists():
+    if args.hf_python and Path(args.hf_python).exists():
         log(f"starting the transformers peer ({args.hf_python})")
         try:
-            peer = HfPeer(args.hf_python, gguf, args.threads)
+            peer = Peer.transformers(args.hf_python, gguf, args.threads)
             log(f"transformers {peer.info['transformers']}, torch {peer.info['torch']}, "
                 f"{peer.info['threads']} threads, loaded in {peer.info['load_s']:.1f}s")
         except PeerError as exc:
             peer_note = f"the transformers peer failed to start: {exc}"
             log(peer_note)
     else:
-        peer_note = f"no transformers venv at {args.hf_python}; create it with: {VENV_HINT}"
+        peer_note = (f"no transformers venv at {args.hf_python}" if args.hf_python else
+                     "no transformers venv given (--hf-python or AGENTJAX_HF_PYTHON)") + f"; create one with: {VENV_HINT}"
         log(peer_note)
 
     engine_args = dict(max_num_batched_tokens=2048, max_num_seqs=64, enable_prefix_caching=False)
+    baseline = baseline_worktree = None
+    if args.baseline_rev:
+        baseline_worktree = Path(tempfile.mkdtemp(prefix="bench-generate-baseline-")) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(baseline_worktree),
+                        args.baseline_rev], check=True, capture_output=True)
+        log(f"starting agentjax at {args.baseline_rev} (worktree {baseline_worktree})")
+        baseline = Peer.agentjax_at(baseline_worktree, args.baseline_rev, args.threads, engine_args)
+        log(f"agentjax at {args.baseline_rev} loaded in {baseline.info['load_s']:.1f}s from {baseline.info['agentjax']}")
     llm = LLM(None, numerics="fast", **engine_args)
     llm_bi = LLM(None, numerics="batch_invariant", **engine_args)
     decode_prompts, long_prompt, divergence_prompts = build_prompts(llm.tokenizer, args)
@@ -340,6 +362,7 @@ def main() -> None:
     big = f"decode_b{args.batch}"
     aj = {name: Figure(count) for name, _, _, count in cases}
     hf = {name: Figure(count) for name, _, _, count in cases}
+    base = {name: Figure(count) for name, _, _, count in cases}
     aj_bi = Figure(args.batch * args.new_tokens)
     outputs: dict[str, tuple[list, list]] = {}
 
@@ -366,18 +389,22 @@ def main() -> None:
         log("warm-up round (untimed)" if warm else f"timed round {round_no} of {args.runs}")
         for name, prompts, sp, _count in cases:
             got_hf = run_hf(prompts, sp.max_tokens)
+            got_base = baseline.generate(prompts, sp.max_tokens) if baseline else None
             seconds, tokens = run_aj(llm, prompts, sp)
             bi = run_aj(llm_bi, prompts, sp) if name == big else None
             if warm:
                 outputs[name] = (tokens, got_hf[1] if got_hf else None)
                 continue
             aj[name].seconds.append(seconds)
+            if got_base:
+                base[name].seconds.append(got_base[0])
             if got_hf:
                 hf[name].seconds.append(got_hf[0])
             if bi:
                 aj_bi.seconds.append(bi[0])
             log(f"  {name}: agentjax {aj[name].tokens / seconds:.1f} tok/s"
                 + (f", transformers {hf[name].tokens / got_hf[0]:.1f} tok/s" if got_hf else "")
+                + (f", agentjax at {args.baseline_rev} {base[name].tokens / got_base[0]:.1f} tok/s" if got_base else "")
                 + (f", agentjax batch_invariant {aj_bi.tokens / bi[0]:.1f} tok/s" if bi else ""))
         if warm:
             shapes_after_warmup = {"fast": len(llm.engine.runner.compiled_shapes),
@@ -387,6 +414,9 @@ def main() -> None:
     hf_info = peer.info if peer else None
     if peer:
         peer.close()
+    if baseline:
+        baseline.close()
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline_worktree)], check=False)
 
     agreement = {}
     for name, (ours, theirs) in outputs.items():
@@ -412,17 +442,26 @@ def main() -> None:
     }
     rows = []
     for name, *_ in cases:
-        a, h = aj[name].median, hf[name].median
+        a, h, b = aj[name].median, hf[name].median, base[name].median
         ratio = f"{a / h:.2f}x" if a and h else "—"
-        rows.append(f"| {labels[name]} | {fmt_rate(a)}{fmt_spread(aj[name])} | "
-                    f"{fmt_rate(h)}{fmt_spread(hf[name])} | {ratio} |")
+        row = f"| {labels[name]} | {fmt_rate(a)}{fmt_spread(aj[name])} | {fmt_rate(h)}{fmt_spread(hf[name])} | {ratio} |"
+        if baseline:
+            row += f" {fmt_rate(b)}{fmt_spread(base[name])} | " + (f"{a / b:.2f}x |" if a and b else "— |")
+        rows.append(row)
+    header = "| What | agentjax | transformers | agentjax / transformers |"
+    rule = "|---|---|---|---|"
+    if baseline:
+        header += f" agentjax at {args.baseline_rev} | this / {args.baseline_rev} |"
+        rule += "---|---|"
     fast_big, bi_big = aj[big].median, aj_bi.median
     if hf_info is None and not peer_note:
         peer_note = "the transformers peer did not run"
     versions = (f"Python {platform.python_version()}, jax {jax.__version__}"
                 + (f"; transformers side: Python {hf_info['python']}, torch {hf_info['torch']}, "
                    f"transformers {hf_info['transformers']}" if hf_info else ""))
-    command = "python scripts/bench_generate.py " + shlex.join(sys.argv[1:])
+    # The transformers venv lives wherever its user built it: the command names it by its role.
+    command = "python scripts/bench_generate.py " + shlex.join(
+        "HF_VENV/bin/python" if arg == args.hf_python else arg for arg in sys.argv[1:])
     lines = [
         SECTION,
         "",
@@ -441,10 +480,12 @@ def main() -> None:
         f"max_num_seqs=64, enable_prefix_caching=False)`. Decode tok/s = generated tokens / wall time of the "
         f"whole generate call (the short prompts' prefill included); prefill tok/s = prompt tokens / wall time "
         f"of a generate call making 1 token. Each figure is the median of {args.runs} runs (range in brackets) "
-        f"after one untimed warm-up; the two sides alternate run by run.",
+        f"after one untimed warm-up; the sides alternate run by run"
+        + (f" (agentjax at {args.baseline_rev}: the same settings, from a git worktree in its own process)."
+           if baseline else "."),
         "",
-        "| What | agentjax | transformers | agentjax / transformers |",
-        "|---|---|---|---|",
+        header,
+        rule,
         *rows,
         "",
         "agentjax only:",

@@ -15,7 +15,7 @@ see the same ids; a batch is left-padded with an attention mask. Decoding is gre
 which tokens greedy picks.) Everything else it prints goes to stderr.
 
 Usage (normally started by bench_generate.py):
-    /tmp/hf-venv/bin/python scripts/bench_generate_hf_peer.py --gguf PATH --threads 2
+    HF_VENV/bin/python scripts/bench_generate_hf_peer.py --gguf PATH --threads 2
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Benchmark: agentjax's KV cache manager side by side with vLLM 0.33's, on the agent traces.
 
-Drives /work/shared/bench/vllm_baseline/bench.py (`--mode kv --engine vllm agentjax`) in the vLLM
+Drives ../shared/bench/vllm_baseline/bench.py (`--mode kv --engine vllm agentjax`) in the vLLM
 venv that its setup.sh builds, so both managers replay the identical closed-loop stream in one
 process; repeats that process, and writes medians and ratios to the "## KV cache manager" section
 of BENCHMARKS.md. A benchmark, not a test: CI does not run it.
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HARNESS = Path("/work/shared/bench/vllm_baseline")
+HARNESS = REPO.parent / "shared" / "bench" / "vllm_baseline"
 SECTION = "## KV cache manager"
 LAYOUT_HEADING = "### Packed KV layout against a per-tensor layout (computed by agentjax.kv.layout, not timed)"
 
@@ -85,7 +85,7 @@ def summarise(runs: list[list[dict]], concurrency: list[int]) -> list[dict]:
 def markdown(rows: list[dict], args: argparse.Namespace, workload: dict, command: str) -> str:
     lines = [
         SECTION, "",
-        f"Command: `{command}` (drives `{HARNESS}/bench.py --mode kv --engine vllm agentjax` "
+        f"Command: `{command}` (drives `../shared/bench/vllm_baseline/bench.py --mode kv --engine vllm agentjax` "
         f"{args.repeats} times; both managers replay the identical stream in each process run).",
         f"Machine: {platform.machine()} VM with 2 CPU cores (shared with other work), harness Python "
         f"{workload['python']}, vLLM {workload['vllm']} (CPU torch). Workload: {args.num_traces} traces, "
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tokens-per-block", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--vllm-python", type=Path, default=Path("/tmp/vllm-venv/bin/python"))
+    parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_VENV_PYTHON"),
+                        help="Python of the venv the harness's setup.sh builds (default $VLLM_VENV_PYTHON)")
     parser.add_argument("--harness", type=Path, default=HARNESS)
     parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--no-write", action="store_true", help="print the section only")
@@ -148,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         write_section(kept + "\n\n" + layout_table(), args.benchmarks_md)
         print(layout_table())
         return 0
-    if not args.vllm_python.exists():
-        sys.exit(f"vLLM venv missing: {args.vllm_python} does not exist. Build it with "
-                 f"`bash {HARNESS}/setup.sh` (a few minutes, offline), then rerun.")
+    if args.vllm_python is None or not Path(args.vllm_python).exists():
+        sys.exit(f"vLLM venv missing ({args.vllm_python}): build it with `bash {HARNESS}/setup.sh` (a few "
+                 "minutes, offline) and pass its Python as --vllm-python or VLLM_VENV_PYTHON.")
     if not (args.harness / "bench.py").exists():
         sys.exit(f"harness missing: {args.harness}/bench.py not found")
     runs = []

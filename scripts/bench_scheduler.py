@@ -1,7 +1,7 @@
 """Benchmark: agentjax's scheduler side by side with vLLM 0.33's v1 `Scheduler`, without a model.
 
 Both schedulers replay the identical closed-loop stream of agent turns through
-`/work/shared/bench/vllm_baseline/bench.py::run_sched_closed_loop` (that harness's `--engine agentjax`
+`../shared/bench/vllm_baseline/bench.py::run_sched_closed_loop` (that harness's `--engine agentjax`
 covers kv mode only, so this script imports its functions and `workload.py` and runs both adapters in
 one process): vLLM through `vllm_adapter.VllmSchedulerAdapter`, agentjax through
 `scripts/sched_adapter.AgentjaxSchedulerAdapter`. Every repeat runs both engines, alternating which goes
@@ -10,8 +10,8 @@ the "## Scheduler" section of BENCHMARKS.md. A benchmark, not a test: CI does no
 
     python scripts/bench_scheduler.py --num-traces 20 --tokens-per-block 10 -C 16 64 --repeats 3 --write-md
 
-It re-executes itself in the harness's vLLM venv (/tmp/vllm-venv, Python 3.11; built by the
-harness's setup.sh) with the repo on PYTHONPATH. `--engines agentjax` runs without vLLM;
+It re-executes itself in the harness's vLLM venv (Python 3.11, built by the harness's setup.sh; its
+Python in VLLM_VENV_PYTHON) with the repo on PYTHONPATH. `--engines agentjax` runs without vLLM;
 `--profile` adds a cProfile of one agentjax run per C (top functions by own time).
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HARNESS = Path(os.environ.get("VLLM_BASELINE_DIR", "/work/shared/bench/vllm_baseline"))
-VENV_PY = Path(os.environ.get("VLLM_VENV_PYTHON", "/tmp/vllm-venv/bin/python"))
+HARNESS = Path(os.environ.get("VLLM_BASELINE_DIR", REPO.parent / "shared" / "bench" / "vllm_baseline"))
+VENV_PY = Path(os.environ.get("VLLM_VENV_PYTHON", ""))
 SECTION = "## Scheduler"
 CHILD_ENV = "AGENTJAX_BENCH_SCHEDULER_CHILD"
 IMPORTED = ["agentjax/scheduler", "agentjax/kv", "agentjax/config.py", "agentjax/sampling_params.py"]
@@ -39,8 +39,8 @@ def _reexec_in_venv() -> None:
     """Run this script again in the vLLM venv, with the repo and the harness importable."""
     if os.environ.get(CHILD_ENV) or Path(sys.prefix).resolve() == VENV_PY.parent.parent.resolve():
         return
-    if not VENV_PY.exists():
-        sys.exit(f"{VENV_PY} missing: run `bash {HARNESS}/setup.sh` first (or pass --engines agentjax "
+    if not VENV_PY.name or not VENV_PY.exists():
+        sys.exit(f"vLLM venv missing: run `bash {HARNESS}/setup.sh` and set VLLM_VENV_PYTHON to its Python (or pass --engines agentjax "
                  f"with {CHILD_ENV}=1 to use this interpreter)")
     env = dict(os.environ, **{CHILD_ENV: "1"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
@@ -308,7 +308,7 @@ def section(a, argv, summ, rows, tab, vver, rev) -> str:
     return "\n".join([
         SECTION, "",
         f"Command: `{cmd}`. Both schedulers replay the identical closed-loop stream of "
-        "`/work/shared/bench/vllm_baseline/bench.py::run_sched_closed_loop` in one process, one engine "
+        "`../shared/bench/vllm_baseline/bench.py::run_sched_closed_loop` in one process, one engine "
         "after the other, the order alternating per repeat: vLLM's v1 `Scheduler` (synchronous, fcfs, chunked "
         "prefill, prefix caching) through `vllm_adapter.VllmSchedulerAdapter`, agentjax's "
         "`Scheduler` on a single-group `KVCacheManager` (`cache_on_allocate=False`, as in the engine) through "

@@ -29,6 +29,16 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "[bootstrap] creating $VENV with $PY" >&2
     "$PY" -m venv "$VENV"
 fi
+# Mooncake Store's binaries (the KV offload tier) link libibverbs even over TCP.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "[bootstrap] installing libibverbs1 and librdmacm1 for the Mooncake KV tier" >&2
+        (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 librdmacm1 >/dev/null) ||
+            echo "[bootstrap] could not install libibverbs1: the Mooncake tier's tests will be skipped" >&2
+    else
+        echo "[bootstrap] libibverbs1 is missing (install it as root): the Mooncake tier's tests will be skipped" >&2
+    fi
+fi
 STAMP=$VENV/.agentjax-installed
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ scripts/bootstrap.sh -nt "$STAMP" ]; then
     echo "[bootstrap] installing agentjax and its dependencies" >&2

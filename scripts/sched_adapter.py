@@ -1,6 +1,6 @@
 """agentjax's scheduler behind the sched-mode interface of the vLLM baseline harness (no model).
 
-`/work/shared/bench/vllm_baseline/bench.py::run_sched_closed_loop` drives any object with
+`../shared/bench/vllm_baseline/bench.py::run_sched_closed_loop` drives any object with
 
     add_turn(req_id, token_ids, output_len)     submit one turn
     has_unfinished() -> bool

@@ -144,7 +144,7 @@ def test_prefill_schedule_interval_admits_only_every_nth_step(smollm2_invariant)
 def test_compiled_shapes_stay_within_buckets_over_a_mixed_run(smollm2_invariant):
     import random
 
-    from agentjax.runner.batch import PAGE_BUCKETS, SEQ_BUCKETS, TOKEN_BUCKETS
+    from agentjax.ragged_batch import PAGE_BUCKETS, SEQ_BUCKETS, TOKEN_BUCKETS
 
     engine = _engine(smollm2_invariant, max_num_batched_tokens=256, max_num_seqs=32, num_kv_blocks=512)
     tok = smollm2_invariant.tokenizer
@@ -163,6 +163,6 @@ def test_compiled_shapes_stay_within_buckets_over_a_mixed_run(smollm2_invariant)
     for tokens, seqs, pages, _ in shapes:
         assert tokens in TOKEN_BUCKETS and tokens <= 256
         assert seqs in SEQ_BUCKETS and seqs <= 32
-        assert pages in PAGE_BUCKETS
+        assert all(group_pages in PAGE_BUCKETS for group_pages in pages)
     assert len(shapes) <= 12
     assert shapes - shapes_after_first_half == set()  # steady state: no new compilation

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,12 +64,15 @@ class AgentxConfig:
 class AgentxRun:
     """Replays `sessions` on `backend` with `config.lanes` closed-loop lanes."""
 
-    def __init__(self, config: AgentxConfig, sessions: Sequence[Session], backend: Backend) -> None:
+    def __init__(self, config: AgentxConfig, sessions: Sequence[Session], backend: Backend,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`clock` times the run (the planning simulator passes its virtual clock)."""
         if not sessions:
             raise InvalidRequestError("no sessions to replay")
         self.config = config
         self.sessions = [session for session in sessions if session.turns]
         self.backend = backend
+        self.clock = clock
         self.records: list[tuple[RequestRecord, bool]] = []  # (record, counted)
         self.in_flight = 0
         self._lane_counts: dict[int, int] = {}
@@ -79,13 +82,13 @@ class AgentxRun:
         self._lanes_warm = 0
 
     def _stopping(self) -> bool:
-        return time.perf_counter() >= self.deadline
+        return self.clock() >= self.deadline
 
     async def run(self) -> dict:
         """The warm-up phase (each lane's first `warmup_requests_per_lane` requests), then
         `duration_s` of profiling from the moment every lane has finished its warm-up."""
         await self.backend.start()
-        self.t0 = time.perf_counter()
+        self.t0 = self.clock()
         self._lanes_warm = 0
         if self.config.warmup_requests_per_lane == 0:
             self._start_profiling()
@@ -97,7 +100,7 @@ class AgentxRun:
                 _, pending = await asyncio.wait(pending, timeout=1.0)
                 if self.config.progress:
                     self._print_progress()
-                if time.perf_counter() > self.deadline + self.config.drain_timeout_s and pending:
+                if self.clock() > self.deadline + self.config.drain_timeout_s and pending:
                     logger.warning("requests still in flight %.0f s after the end were cancelled",
                                    self.config.drain_timeout_s)
                     break
@@ -114,7 +117,7 @@ class AgentxRun:
         return self.summary()
 
     def _start_profiling(self) -> None:
-        self.t_profile = time.perf_counter()
+        self.t_profile = self.clock()
         self.deadline = self.t_profile + self.config.duration_s
         self._profiling.set()
         logger.info("warm-up done after %.1f s; profiling for %.0f s", self.t_profile - self.t0,
@@ -125,7 +128,7 @@ class AgentxRun:
         if counted:
             wall = max(r.end_time_s for r in counted) - min(r.start_time_s for r in counted)
         else:
-            wall = time.perf_counter() - self.t0
+            wall = self.clock() - self.t0
         summary = summarize(counted, max(wall, 1e-9), self.config.gpus)
         summary.update(warmup_requests=len(self.records) - len(counted),
                        config={k: v for k, v in asdict(self.config).items() if k != "progress"})
@@ -178,7 +181,7 @@ class AgentxRun:
         return min(turn.think_time_s, IDLE_GAP_CAP_S) * self.config.think_scale
 
     async def _think(self, turn: Turn) -> None:
-        wait = min(self._think_time(turn), self.deadline - time.perf_counter())
+        wait = min(self._think_time(turn), self.deadline - self.clock())
         if wait > 0:
             await asyncio.sleep(wait)
 
@@ -216,8 +219,8 @@ class AgentxRun:
 
     def _print_progress(self, final: bool = False) -> None:
         errors = sum(1 for record, _ in self.records if record.error is not None)
-        phase = (f"warm-up {time.perf_counter() - self.t0:5.0f}s" if not self._profiling.is_set()
-                 else f"{time.perf_counter() - self.t_profile:6.1f}s/{self.config.duration_s:.0f}s")
+        phase = (f"warm-up {self.clock() - self.t0:5.0f}s" if not self._profiling.is_set()
+                 else f"{self.clock() - self.t_profile:6.1f}s/{self.config.duration_s:.0f}s")
         sys.stderr.write(f"\r[agentx] {phase}  lanes {self.config.lanes}  "
                          f"requests {len(self.records)}  errors {errors}  in flight {self.in_flight}   ")
         sys.stderr.write("\n" if final else "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,9 +41,10 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def _failed(request: TurnRequest, start: float, error: BaseException | str) -> RequestRecord:
+def _failed(request: TurnRequest, start: float, error: BaseException | str,
+            clock: Callable[[], float] = time.perf_counter) -> RequestRecord:
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return RequestRecord(start, None, time.perf_counter(), len(request.prompt), 0, 0, error=text,
+    return RequestRecord(start, None, clock(), len(request.prompt), 0, 0, error=text,
                          session_id=request.session_id, turn_index=request.turn_index)
 
 
@@ -50,8 +52,14 @@ class EngineBackend:
     """An in-process `Engine`, stepped by one task on the caller's asyncio loop (the Engine is
     not thread-safe, and one loop needs no locks). A step blocks the loop while it runs."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, clock: Callable[[], float] = time.perf_counter,
+                 step_delay: Callable[[], float] | None = None) -> None:
+        """`clock` stamps token arrivals (the planning simulator passes its virtual clock);
+        `step_delay`, if given, returns the seconds the step just run takes, slept before its tokens
+        are delivered (the simulator's instances of a deployment share one virtual clock this way)."""
         self.engine = engine
+        self.clock = clock
+        self.step_delay = step_delay
         vocab = engine.model_cfg.vocab_size
         self.token_range = TokenIdRange(low=min(256, vocab // 2), vocab_size=vocab)
         self.max_prompt_tokens = engine.max_model_len - 1
@@ -84,7 +92,11 @@ class EngineBackend:
                     self.engine.abort(request_id)
                     queue.put_nowait(error)
                 continue
-            now = time.perf_counter()
+            if self.step_delay is not None:
+                delay = self.step_delay()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            now = self.clock()
             for output in outputs:
                 queue = self._queues.get(output.request_id)
                 if queue is not None:
@@ -95,15 +107,15 @@ class EngineBackend:
         from agentjax.sampling_params import SamplingParams
         from agentjax.scheduler.request import AgentHints
 
-        start = time.perf_counter()
+        start = self.clock()
         if self._broken is not None:
-            return _failed(request, start, self._broken)
+            return _failed(request, start, self._broken, self.clock)
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         try:
             request_id = self.engine.add_request(request.prompt, sampling, session_id=request.session_id,
                                                  hints=AgentHints(**request.hints))
         except Exception as error:
-            return _failed(request, start, error)
+            return _failed(request, start, error, self.clock)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._wake.set()
@@ -113,7 +125,7 @@ class EngineBackend:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    return _failed(request, start, item)
+                    return _failed(request, start, item, self.clock)
                 now, output = item
                 times.extend([now] * len(output.new_token_ids))
                 cached = output.num_cached_tokens
@@ -124,7 +136,7 @@ class EngineBackend:
             raise
         finally:
             self._queues.pop(request_id, None)
-        return RequestRecord.from_token_times(start, times, times[-1] if times else time.perf_counter(),
+        return RequestRecord.from_token_times(start, times, times[-1] if times else self.clock(),
                                               len(request.prompt), cached, session_id=request.session_id,
                                               turn_index=request.turn_index)
 

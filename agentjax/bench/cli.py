@@ -1,8 +1,10 @@
-"""`agentjax bench ...`: the AgentX replay, the report of an official AgentX run, the concurrency sweep.
+"""`agentjax bench ...`: the AgentX replay, the report of an official AgentX run, the concurrency sweep,
+and the KV policy simulator.
 
     agentjax bench agentx [--url URL | --model M] --lanes 4 --context-scale 0.01 --duration 60 --out r.json
     agentjax bench report DIR
     agentjax bench sweep-concurrency --levels 1,2,4,8 --out-dir sweep/
+    agentjax bench kv-sim --traces 'DIR/*.json.gz' --lanes 32 --hbm-tokens 1M --policies lru,belady,hints --out r.json
 """
 from __future__ import annotations
 
@@ -104,6 +106,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kv_sim(args: argparse.Namespace) -> int:
+    from agentjax.bench.kv_sim_cli import run_kv_sim_command
+
+    return run_kv_sim_command(args)
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds `bench` and its subcommands to the `agentjax` command's subparsers."""
     bench = subparsers.add_parser("bench", help="benchmark agent traffic (AgentX replay, report, sweep)")
@@ -129,4 +137,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="draw this P90 interactivity target (tok/s) on the plot")
     _add_replay_flags(sweep)
     sweep.set_defaults(handler=cmd_sweep)
+
+    from agentjax.bench.kv_sim_cli import add_kv_sim_flags
+
+    kv_sim = sub.add_parser("kv-sim", help="token hit rate of KV policies per tier on a trace replay "
+                            "(the real KV manager on a virtual clock; LRU, Belady and an infinite cache beside)")
+    add_kv_sim_flags(kv_sim)
+    kv_sim.set_defaults(handler=cmd_kv_sim)
     return bench

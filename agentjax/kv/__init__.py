@@ -7,6 +7,9 @@ from agentjax.kv.eviction import EvictionOrder, LRUEvictionOrder, PinnedEviction
 from agentjax.kv.events import BlockRemoved, BlockStored, KVEvent
 from agentjax.kv.hashing import block_hashes, hash_block_tokens, root_hash
 from agentjax.kv.manager import KVCacheManager
+from agentjax.kv.policies import BeladyPolicy, HintAwarePolicy, LRUPolicy, MarconiPolicy, make_policy
+from agentjax.kv.policy import KVPolicy, PagePolicy, TurnEnd
+from agentjax.kv.policy_order import PolicyEvictionOrder
 from agentjax.kv.specs import (CompressedLatentSpec, FullAttentionSpec, IndexerKeySpec, KVGroup, KVGroupPlan,
                                KVSpec, MLALatentSpec, RecurrentStateSpec, RollingStateSpec, SlidingWindowSpec,
                                plan_groups)
@@ -16,4 +19,6 @@ __all__ = [
     "block_hashes", "hash_block_tokens", "root_hash", "KVCacheManager", "CompressedLatentSpec",
     "FullAttentionSpec", "IndexerKeySpec", "KVGroup", "KVGroupPlan", "KVSpec", "MLALatentSpec",
     "RecurrentStateSpec", "RollingStateSpec", "SlidingWindowSpec", "plan_groups",
+    "KVPolicy", "PagePolicy", "PolicyEvictionOrder", "TurnEnd", "LRUPolicy", "HintAwarePolicy", "MarconiPolicy",
+    "BeladyPolicy", "make_policy",
 ]

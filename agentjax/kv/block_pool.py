@@ -8,6 +8,8 @@ Host only: never imports jax.
 """
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 
 from agentjax.errors import InvalidRequestError, OutOfPagesError
@@ -39,6 +41,9 @@ class BlockPool:
         self.cached: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
         self.eviction_order = eviction_order or PinnedEvictionOrder()
         self.eviction_order.bind(self.ref_counts)
+        bind_pool = getattr(self.eviction_order, "bind_pool", None)
+        if bind_pool is not None:  # an order that reads the pool (e.g. PolicyEvictionOrder: empty pages first)
+            bind_pool(self)
         self.eviction_order.push_free(np.arange(1, num_pages, dtype=np.int32))
         self.num_free = num_pages - 1
         self.num_cached = 0
@@ -136,6 +141,24 @@ class BlockPool:
             self.page_tokens[page] = tokens or ()
             self.events.append(BlockStored(block_hash, parent, tokens or (), group))
         return True
+
+    def cache_pages(self, pages: list[int], group: int, hashes: list[BlockHash], parents: list) -> None:
+        """`cache_page` for consecutive pages of one group (events off): when none of `hashes` is cached
+        and none of `pages` holds a hash, in a few C calls; else page by page (first come is kept)."""
+        index, page_hash = self.cached[group], self.page_hash
+        held = itemgetter(*pages)(page_hash) if len(pages) > 1 else (page_hash[pages[0]],) if pages else ()
+        if self.enable_events or any(map(index.__contains__, hashes)) or held.count(None) != len(pages):
+            for page, block_hash, parent in zip(pages, hashes, parents):
+                self.cache_page(page, group, block_hash, parent)
+            return
+        self.version += 1
+        index.update(zip(hashes, pages))
+        page_parent = self.page_parent
+        for page, block_hash, parent in zip(pages, hashes, parents):
+            page_hash[page] = block_hash
+            page_parent[page] = parent
+        self.page_group[pages] = group
+        self.num_cached += len(pages)
 
     # -- undo of an admission (see KVCacheManager) -------------------------------------------------
     def uncache(self, page: int) -> bool:

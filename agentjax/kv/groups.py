@@ -68,6 +68,14 @@ class GroupManager:
         """Offer pages whose tokens are all written to the cache (first come is kept on duplicates)."""
         limit = min(num_computed // self.tokens_per_page, len(keys), len(table.pages))
         pool, group_id = self.pool, self.group_id
+        start = table.num_cached_pages
+        if limit - start > 1 and not pool.enable_events:
+            pages = table.pages[start:limit]
+            if NULL_PAGE not in pages:  # a full run of real pages: cached in bulk
+                parents = ([None] + keys[:limit - 1]) if start == 0 else keys[start - 1:limit - 1]
+                pool.cache_pages(pages, group_id, keys[start:limit], parents)
+                table.num_cached_pages = max(table.num_cached_pages, limit)
+                return
         for j in range(table.num_cached_pages, limit):
             page = table.pages[j]
             if page != NULL_PAGE:
@@ -89,16 +97,22 @@ class PrefixGroup(GroupManager):
     _last_run: tuple | None = None
 
     def cached_run(self, keys: list[BlockHash], max_pages: int) -> list[int]:
-        """Pages of the leading cached keys (dict lookups in C via map; remembered for reuse)."""
+        """Pages of the leading cached keys (dict lookups in C via map; remembered for reuse: a run that
+        stopped at a missing key answers any longer request too)."""
         last = self._last_run
-        if last is not None and last[0] is keys and last[1] == self.pool.version and len(last[2]) >= max_pages:
-            return last[2][:max_pages]
+        if last is not None and last[0] is keys and last[1] == self.pool.version:
+            run = last[2]
+            if len(run) >= max_pages:
+                return run[:max_pages]
+            if len(run) < last[3] or last[3] == len(keys):  # it stopped at a miss, or at the last key
+                return run
+        mapped = min(max_pages, len(keys))
         run = list(map(self.index.get, keys[:max_pages] if max_pages < len(keys) else keys))
         try:
             del run[run.index(None):]
         except ValueError:
             pass
-        self._last_run = (keys, self.pool.version, run)
+        self._last_run = (keys, self.pool.version, run, mapped)
         return run if len(run) <= max_pages else run[:max_pages]
 
     def find_hit(self, keys: list[BlockHash], limit: int, cap: int) -> int:

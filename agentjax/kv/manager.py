@@ -33,7 +33,8 @@ what it evicted, so the event stream always matches what is hittable), and `quer
 eviction order and the stats equal those before `allocate`. Pages another request hit meanwhile
 stay with it (they are not rolled back), and a hash cached elsewhere meanwhile is not restored.
 
-Session and branch pins live in the eviction order (`PinnedEvictionOrder`, the default): pinned
+Session and branch pins live in the eviction order (`PinnedEvictionOrder`, the default, or a KV
+policy through `agentjax.kv.policy_order.PolicyEvictionOrder`, as the engine builds it): pinned
 free pages are evicted after every unpinned free page, earliest expiry first; they count as free.
 `clock` (default `time.monotonic`) times the pins' `ttl_s`; tests inject their own.
 """
@@ -101,10 +102,18 @@ class KVCacheManager:
     @classmethod
     def from_model_config(cls, cfg, num_blocks: int, block_size: int, enable_caching: bool = True,
                           cache_on_allocate: bool = False, scale_tokens_per_page: bool = False,
-                          **options) -> "KVCacheManager":
+                          checkpoint_interval: int | None = None, draft_config=None, **options) -> "KVCacheManager":
         """Groups from an `agentjax.config.ModelConfig`. With the default `scale_tokens_per_page=False`
-        every group's pages hold `block_size` tokens, so page ids index `cfg.new_kv_pages` directly."""
-        return cls.from_specs(specs_from_model_config(cfg), num_blocks, block_size, enable_caching,
+        every group's pages hold `block_size` tokens, so page ids index `cfg.new_kv_pages` directly.
+        Recurrent states are saved every `checkpoint_interval` tokens (default: 64, whole pages). A
+        `draft_config` (speculative decoding's draft model) adds its own groups after the model's."""
+        from agentjax.kv.cache_layout import checkpoint_tokens
+
+        interval = checkpoint_tokens(block_size, checkpoint_interval)
+        specs = specs_from_model_config(cfg, interval)
+        if draft_config is not None:
+            specs += specs_from_model_config(draft_config, interval, owner=1)
+        return cls.from_specs(specs, num_blocks, block_size, enable_caching,
                               scale_tokens_per_page, cache_on_allocate=cache_on_allocate, **options)
 
     # -- prefix lookup ---------------------------------------------------------------------------
@@ -116,11 +125,15 @@ class KVCacheManager:
 
     def _prepare(self, token_ids, cache_salt: str | None):
         """(tokens, hashes, hit, per-group (reused pages, table start)) for a prompt, memoised for
-        the same token list object until the pool changes (lookup then allocate costs one pass)."""
+        the same token list (the same object, or an equal list: the offload connector's check and the
+        admission each build theirs) until the pool changes (lookup then allocate costs one pass)."""
         last = self._last_prepared
-        if (last is not None and last[0] is token_ids and last[1] == len(token_ids) and last[2] == cache_salt
-                and last[3] == self.pool.version):
-            return last[4]
+        if last is not None and last[1] == len(token_ids) and last[2] == cache_salt and last[3] == self.pool.version:
+            if last[0] is token_ids:
+                return last[4]
+            if type(token_ids) is list and type(last[0]) is list and last[0] == token_ids:
+                self._last_prepared = (token_ids, *last[1:])  # the caller's next calls pass this list
+                return last[4]
         tokens = tokens_as_uint32(token_ids)
         if len(tokens) == 0:
             raise InvalidRequestError("token_ids is empty; a request needs at least one token")
@@ -133,13 +146,19 @@ class KVCacheManager:
         self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
         return prepared
 
-    def _find_hit(self, hashes: list[BlockHash], num_tokens: int) -> tuple[int, list]:
-        """The fixed point: each group may only shrink the hit until all of them accept it."""
-        keys = {g.group_id: g.page_keys(hashes) for g in self.groups}
+    def _find_hit(self, hashes: list[BlockHash], num_tokens: int,
+                  groups: Sequence[GroupManager] | None = None) -> tuple[int, list]:
+        """The fixed point: each group may only shrink the hit until all of them accept it. `groups`
+        (default: this manager's) may read another index, e.g. the offload tiers' union with the pool's."""
+        if groups is None:
+            groups, hit_order = self.groups, self._hit_order
+        else:
+            hit_order = sorted(groups, key=lambda g: g.group.spec.hit_rule != "prefix")
+        keys = {g.group_id: g.page_keys(hashes) for g in groups}
         cap = hit = num_tokens - 1
         accepted: dict[int, int] = {}
-        while hit > 0 and len(accepted) < len(self.groups):
-            for group in self._hit_order:
+        while hit > 0 and len(accepted) < len(groups):
+            for group in hit_order:
                 if accepted.get(group.group_id) == hit:
                     continue
                 found = group.find_hit(keys[group.group_id], hit, cap)
@@ -150,36 +169,50 @@ class KVCacheManager:
                         break
                 accepted[group.group_id] = hit
         hit = max(hit, 0)
-        return hit, [g.reused_pages(keys[g.group_id], hit) for g in self.groups]
+        return hit, [g.reused_pages(keys[g.group_id], hit) for g in groups]
 
     def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Tokens of the longest cached prefix that every group can serve; never the last token."""
         self.lookups += 1
         return self._prepare(token_ids, cache_salt)[2]
 
-    def _pages_needed(self, reuse: list, num_tokens: int) -> tuple[int, int]:
-        new = sum(g.num_new_pages(start, len(pages), num_tokens) for g, (pages, start) in zip(self.groups, reuse))
-        reused = [page for pages, _ in reuse for page in pages]
-        return new, self.pool.count_free_among(np.asarray(reused, dtype=np.int64))
+    def _reserved_tokens(self, group: GroupManager, num_tokens: int, num_reserved_tokens: int | None) -> int:
+        """Tokens a group's table covers at admission: window groups only up to `num_reserved_tokens`
+        (the first chunk; `reserve` grows them step by step), every other group the whole prompt."""
+        if num_reserved_tokens is None or group.group.spec.hit_rule != "window":
+            return num_tokens
+        return min(num_tokens, num_reserved_tokens)
 
-    def can_allocate(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
+    def _pages_needed(self, reuse: list, num_tokens: int, num_reserved_tokens: int | None = None) -> tuple[int, int]:
+        new = sum(g.num_new_pages(start, len(pages), self._reserved_tokens(g, num_tokens, num_reserved_tokens))
+                  for g, (pages, start) in zip(self.groups, reuse))
+        return new, self.pool.count_free_among(_flat_pages(reuse))
+
+    def can_allocate(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                     num_reserved_tokens: int | None = None) -> bool:
         """Whether `allocate` would succeed now (no side effects)."""
         _, _, _, reuse = self._prepare(token_ids, cache_salt)
-        new, reused_free = self._pages_needed(reuse, len(token_ids))
+        new, reused_free = self._pages_needed(reuse, len(token_ids), num_reserved_tokens)
         return new + reused_free <= self.pool.num_free
 
     # -- request lifecycle -----------------------------------------------------------------------
-    def allocate(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
-        """Reserve pages for all of `token_ids`, reusing cached ones; False (no change) if they do not fit."""
+    def allocate(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
+                 num_reserved_tokens: int | None = None) -> bool:
+        """Reserve pages for all of `token_ids`, reusing cached ones; False (no change) if they do not fit.
+
+        With `num_reserved_tokens`, sliding-window groups reserve pages only for the first that many
+        tokens (the first prefill chunk): their later pages come from `reserve` as chunks run, while
+        pages behind the window are released, so a window group never holds the whole prompt.
+        """
         if req_id in self._requests:
             raise InvalidRequestError(f"request {req_id!r} already holds pages; free it first")
         tokens, hashes, hit, reuse = self._prepare(token_ids, cache_salt)
-        new, reused_free = self._pages_needed(reuse, len(tokens))
+        new, reused_free = self._pages_needed(reuse, len(tokens), num_reserved_tokens)
         if new + reused_free > self.pool.num_free:
             return False
         pool = self.pool
         order = pool.eviction_order
-        reused = np.asarray([p for pages, _ in reuse for p in pages], dtype=np.int64)
+        reused = _flat_pages(reuse)
         was_free = reused[pool.ref_counts[reused] == 0] if len(reused) else reused
         undo = AdmissionUndo(was_free, order.positions(was_free), num_tokens=len(tokens), num_hit=hit)
         pool.touch(reused)
@@ -190,7 +223,8 @@ class KVCacheManager:
         new_pages = taken_pages.tolist()
         tables, taken = [], 0
         for group, (pages, start) in zip(self.groups, reuse):
-            count = group.num_new_pages(start, len(pages), len(tokens))
+            count = group.num_new_pages(start, len(pages), self._reserved_tokens(group, len(tokens),
+                                                                                  num_reserved_tokens))
             if isinstance(group, CheckpointGroup):
                 if pages:  # restore the checkpoint into the running page, then let the source go
                     copy = (group.group_id, pages[0], new_pages[taken])
@@ -233,6 +267,54 @@ class KVCacheManager:
         if self.cache_on_allocate:
             self._cache_blocks(request, total)
         return True
+
+    def reserve(self, req_id: str, num_tokens: int, num_lookahead_tokens: int = 0, num_draft_states: int = 0) -> bool:
+        """Make every group's table cover the request's first `num_tokens` tokens (the next chunk's
+        pages of a window group reserved lazily) and `num_lookahead_tokens` positions after them (draft
+        tokens of speculative decoding: the device writes their KV before they are known to stay), and
+        give each recurrent-state group `num_draft_states` pages after the running one (the states after
+        each draft token); False (and no change) when the pool is too small. Commits the admission."""
+        request = self._request(req_id)
+        if not 0 < num_tokens <= request.tokens.size:
+            raise InvalidRequestError(f"num_tokens={num_tokens} outside [1, {request.tokens.size}] for {req_id!r}")
+        if num_lookahead_tokens < 0 or num_draft_states < 0:
+            raise InvalidRequestError(f"num_lookahead_tokens and num_draft_states must be >= 0, got "
+                                      f"{num_lookahead_tokens} and {num_draft_states}")
+        growth = [max(0, 1 + num_draft_states - len(t.pages)) if isinstance(g, CheckpointGroup)
+                  else g.grow(t, num_tokens + num_lookahead_tokens) for g, t in zip(self.groups, request.tables)]
+        if sum(growth) > self.pool.num_free:
+            return False
+        request.undo = None
+        if sum(growth):
+            new_pages = self.pool.allocate(sum(growth)).tolist()
+            taken = 0
+            for table, count in zip(request.tables, growth):
+                table.pages.extend(new_pages[taken:taken + count])
+                taken += count
+        return True
+
+    def release_lookahead(self, req_id: str, accepted_drafts: int = 0) -> int:
+        """Give back each group's trailing pages that hold neither one of the request's tokens nor the
+        position right after them (pages reserved for draft tokens that were rejected; never cached, as
+        their hashes would come from the request's tokens, which never held the rejected drafts). A
+        recurrent-state group keeps the state after the last accepted draft (page `accepted_drafts` of
+        its table) as its running page and gives back the others. Returns how many pages went back."""
+        request = self._request(req_id)
+        released: list[int] = []
+        for group, table in zip(self.groups, request.tables):
+            if isinstance(group, CheckpointGroup):
+                if len(table.pages) > 1:
+                    kept = table.pages[min(accepted_drafts, len(table.pages) - 1)]
+                    released += [page for page in table.pages if page != kept]
+                    table.pages = [kept]
+                continue
+            keep = max(group.num_pages_for(request.tokens.size + 1), table.num_cached_pages)
+            while len(table.pages) > keep:
+                released.append(table.pages.pop())
+        if released:
+            request.undo = None
+            self.pool.release(np.asarray(released, dtype=np.int64))
+        return len(released)
 
     def cache_blocks(self, req_id: str, num_computed_tokens: int) -> None:
         """The device has written KV for the first `num_computed_tokens` tokens: make full pages
@@ -304,21 +386,30 @@ class KVCacheManager:
         if request.undo is not None:
             self._roll_back(request, request.undo)
             return
-        order = [page for group, table in zip(self.groups, request.tables) for page in group.release_order(table)]
+        order = self._release_order(request)
         self.pool.release(np.asarray(order, dtype=np.int64))
         if self.enable_caching and request.hashes:
             self._memo.remember(request.hashes[0], request.tokens.view(), request.hashes)
+
+    def _release_order(self, request: RequestKV) -> list[int]:
+        """Every group's pages of the request, each group's tail first (the order they should be evicted)."""
+        order: list[int] = []
+        for group, table in zip(self.groups, request.tables):
+            order += group.release_order(table)
+        return order
 
     def _roll_back(self, request: RequestKV, undo: AdmissionUndo) -> None:
         """Undo an uncommitted admission: the pool, the eviction order and the counters return to
         where they were before `allocate` (other requests' changes since then stay)."""
         pool = self.pool
-        for copy in undo.copies:  # still pending: take_pending_copies would have committed the request
-            self._pending_copies.remove(copy)
-        for source in undo.copy_sources:
-            self._pending_copy_sources.remove(source)
+        # Still pending (take_pending_copies would have committed the request). Its own entries are the
+        # latest equal ones: an earlier save may read or write the same pages.
+        for copy in reversed(undo.copies):
+            _remove_last(self._pending_copies, copy)
+        for source in reversed(undo.copy_sources):
+            _remove_last(self._pending_copy_sources, source)
         self._uncommitted_with_copies.discard(request.req_id)
-        order = [page for group, table in zip(self.groups, request.tables) for page in group.release_order(table)]
+        order = self._release_order(request)
         pool.release(np.asarray(order + undo.copy_sources, dtype=np.int64))
         if undo.new_pages:
             new_pages = np.concatenate(undo.new_pages) if len(undo.new_pages) > 1 else undo.new_pages[0]
@@ -357,10 +448,26 @@ class KVCacheManager:
 
     def _serving_pages(self, hashes: list[BlockHash], num_tokens: int) -> list[int]:
         """Cached pages, in every group, that a later prompt extending these tokens would reuse."""
+        return self._serving_pages_at(hashes, num_tokens)[0]
+
+    def _serving_pages_at(self, hashes: list[BlockHash], num_tokens: int) -> tuple[list[int], list[int]]:
+        """`_serving_pages` and each page's index in its group's page table."""
         if not self.enable_caching or not hashes:
-            return []
+            return [], []
         _, reuse = self._find_hit(hashes, num_tokens + 1)
-        return [page for pages, _ in reuse for page in pages]
+        pages = [page for group_pages, _ in reuse for page in group_pages]
+        positions = [start + i for group_pages, start in reuse for i in range(len(group_pages))]
+        return pages, positions
+
+    def serving_pages(self, req_id: str) -> tuple[list[int], list[int]]:
+        """The cached pages that serve `req_id`'s computed prefix, in every group (what a session's next
+        turn would reuse), and each page's index in its group's table (a KV policy's turn end)."""
+        request = self._request(req_id)
+        return self._serving_pages_at(request.hashes, len(request.hashes) * self.block_size)
+
+    def block_hashes(self, req_id: str) -> list[BlockHash]:
+        """The chained hashes of `req_id`'s full blocks so far (the keys the offload tiers store under)."""
+        return self._request(req_id).hashes
 
     def pin(self, key: Hashable, pages: Sequence[int], expires_at: float | None = None) -> int:
         """Pin page ids under `key` until `expires_at` on `clock` (None: until `unpin(key)`),
@@ -425,6 +532,20 @@ class KVCacheManager:
         self._pending_copy_sources = []
         return copies
 
+    def max_pages_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most pages one request of `num_tokens` tokens can hold at once over all groups (window
+        groups hold the window plus one chunk; a state group its running page)."""
+        total = 0
+        for group in self.groups:
+            rule, size = group.group.spec.hit_rule, group.tokens_per_page
+            if rule == "checkpoint":
+                total += 1
+            elif rule == "window":
+                total += min(-(-num_tokens // size), -(-(group.window + max_chunk_tokens) // size) + 1)
+            else:
+                total += -(-num_tokens // size)
+        return total
+
     def take_events(self):
         return self.pool.take_events()
 
@@ -458,3 +579,15 @@ class KVCacheManager:
         owners[0] = self.pool.ref_counts[0]
         mismatch = np.flatnonzero(owners != self.pool.ref_counts)
         assert mismatch.size == 0, f"ref counts differ from owners at pages {mismatch[:8].tolist()}"
+
+
+def _flat_pages(reuse: list) -> np.ndarray:
+    """The pages of every group's (pages, start) in one int64 array (converted in C, not page by page)."""
+    if len(reuse) == 1:
+        return np.asarray(reuse[0][0], dtype=np.int64)
+    return np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in reuse])
+
+
+def _remove_last(items: list, value) -> None:
+    """Delete the last element equal to `value`."""
+    del items[len(items) - 1 - items[::-1].index(value)]

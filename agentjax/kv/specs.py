@@ -25,6 +25,9 @@ class KVSpec:
     hit_rule: ClassVar[HitRule] = "prefix"
     token_granular: ClassVar[bool] = True  # any token count can be a hit (not only whole entries)
     required_page_tokens: int | None = None  # a kernel demands exactly this many tokens per page
+    # Which model stores it: 0 the served model, 1 a speculative-decoding draft model (specs of two
+    # models never share a group, so each model's groups keep their own buffers and tables).
+    owner: int = 0
 
     @property
     def tokens_per_entry(self) -> int:
@@ -108,6 +111,10 @@ class IndexerKeySpec(CompressedLatentSpec):
     ratio: int = 1
     entry_bytes: int = 256
 
+    @property
+    def token_granular(self) -> bool:  # one key per token: a hit may end anywhere, like full attention
+        return self.ratio == 1
+
 
 @dataclass(frozen=True)
 class RollingStateSpec(CompressedLatentSpec):
@@ -120,6 +127,15 @@ class RollingStateSpec(CompressedLatentSpec):
     @property
     def window(self) -> int | None:
         return self.state_window
+
+
+@dataclass(frozen=True)
+class SlidingLatentSpec(RollingStateSpec):
+    """One shared K=V row per token for the last `state_window` tokens (DeepSeek-V4's sliding-window
+    MQA rows, vLLM's SlidingWindowMLASpec); like a sliding window, a hit may end on any token."""
+
+    kind: ClassVar[str] = "sliding_latent"
+    token_granular: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -238,18 +254,12 @@ def plan_groups(layer_specs: Sequence[KVSpec], block_size: int, scale_tokens_per
     return KVGroupPlan(tuple(groups), page_bytes, block_size)
 
 
-def specs_from_model_config(cfg) -> list[KVSpec]:
-    """Per-layer specs of an `agentjax.config.ModelConfig` (full and sliding attention)."""
-    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}.get(cfg.dtype)
-    if dtype_bytes is None:
-        raise InvalidRequestError(f"unsupported KV dtype {cfg.dtype!r}; expected bfloat16, float16 or float32")
-    specs: list[KVSpec] = []
-    for layer in range(cfg.num_layers):
-        window = cfg.layer_window(layer)
-        if window:
-            specs.append(SlidingWindowSpec(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                           dtype_bytes=dtype_bytes, sliding_window=window))
-        else:
-            specs.append(FullAttentionSpec(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                           dtype_bytes=dtype_bytes))
-    return specs
+def specs_from_model_config(cfg, checkpoint_interval: int = 64, owner: int = 0) -> list[KVSpec]:
+    """The spec of every KV tensor of an `agentjax.config.ModelConfig`, in layer order
+    (`agentjax.kv.cache_layout.kv_tensors` says which layer and role each belongs to), marked `owner`."""
+    import dataclasses
+
+    from agentjax.kv.cache_layout import kv_tensors
+
+    specs = [tensor.spec for tensor in kv_tensors(cfg, checkpoint_interval)]
+    return [dataclasses.replace(spec, owner=owner) for spec in specs] if owner else specs

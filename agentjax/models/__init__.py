@@ -2,7 +2,9 @@
 
 `load_model(spec)` accepts None (the embedded SmolLM2-135M-Instruct), an embedded model name,
 "preset:NAME", a GGUF file or an HF directory, and returns `(ModelConfig, params, tokenizer)`.
-Converted embedded models are cached with orbax, so a second start skips dequantisation.
+Every checkpoint is read and checked on the host before any weight is placed on the device.
+Converted GGUF models are cached with orbax (checksums verified on restore), so a second start
+skips dequantisation.
 """
 from __future__ import annotations
 
@@ -28,23 +30,39 @@ def _tokenizer_from_gguf(path: Path) -> Any:
     return Tokenizer.from_gguf(path)
 
 
+def _checked(cfg: ModelConfig, arrays: dict, where: str) -> None:
+    """Every name and shape against the model, on the host, before anything reaches the device."""
+    from agentjax.models.params import expected_shapes
+    from checkpoints.validate import check_tensors
+
+    check_tensors(expected_shapes(cfg), arrays, where=where)
+
+
 def _load_gguf_cached(path: Path, use_cache: bool) -> tuple[ModelConfig, dict]:
+    """Convert a GGUF file, or restore its converted arrays from the orbax cache after verifying
+    them against the checksums recorded at conversion. An entry that fails (or cannot be read)
+    is named in a warning, reconverted from the GGUF file and rewritten."""
     from checkpoints.embedded import cache_dir
     from checkpoints.gguf import load_gguf
     from checkpoints.orbax_io import cache_key, restore_params, save_params
 
     entry = cache_dir() / "converted" / f"{path.stem}-{cache_key(path)}"
-    if use_cache and (entry / "config.json").is_file():
+    if use_cache and entry.exists():
         try:
             started = time.perf_counter()
             cfg, arrays = restore_params(entry)
+            _checked(cfg, arrays, f"converted-weights cache entry {entry}")
             logger.info("restored %s from %s in %.1fs", path.name, entry, time.perf_counter() - started)
             return cfg, arrays
-        except Exception as exc:  # a torn or foreign cache entry: convert again
-            logger.warning("ignoring unreadable model cache %s: %s", entry, exc)
+        except Exception as exc:  # corrupt, torn, foreign or stale: convert again
+            logger.warning(
+                "reconverting %s: its converted-weights cache entry %s failed (%s: %s)",
+                path, entry, type(exc).__name__, exc,
+            )
     started = time.perf_counter()
     cfg, arrays, _ = load_gguf(path)
     logger.info("converted %s in %.1fs", path.name, time.perf_counter() - started)
+    _checked(cfg, arrays, str(path))
     if use_cache:
         try:
             save_params(entry, cfg, arrays)
@@ -81,9 +99,10 @@ def load_model(
         cfg = preset_config(spec.removeprefix("preset:")).replace(dtype=dtype)
         return cfg, random_params(cfg, seed), _tokenizer_from_gguf(smollm2_path())
     if path.is_dir():
+        from agentjax.models.params import expected_shapes
         from checkpoints.hf import load_hf
 
-        cfg, arrays, tokenizer = load_hf(path)
+        cfg, arrays, tokenizer = load_hf(path, expected_shapes)  # every check runs here, on the host
     elif path.suffix == ".gguf":
         cfg, arrays = _load_gguf_cached(path, use_cache)
         tokenizer = _tokenizer_from_gguf(path)

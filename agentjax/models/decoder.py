@@ -1,14 +1,16 @@
-"""The decoder-only transformer (llama and gemma3 families) as a Flax NNX module.
+"""The decoder-only transformer as a Flax NNX module, for every family agentjax serves.
 
 `Decoder.__call__` runs one ragged batch: embeds its tokens, runs every layer (each reads and
-writes its slice of the paged KV buffer) and returns final hidden states plus the updated pages.
-The layers are one `LayerStack`: their parameters carry a leading layer axis and run under
-`lax.scan`, so a step compiles one layer body instead of every layer unrolled.
-`Decoder.logits` turns chosen hidden states into vocabulary logits. Pure functions of their
-inputs: no global state, so `jax.jit`, `jax.grad` and `jax.vmap` apply.
+writes its KV groups' buffers) and returns final hidden states plus the updated KV buffers.
+Layers are `DecoderBlock`s (a token mixer and a feed-forward block, picked per layer kind from
+registries); runs of them form `Segment`s (agentjax/models/layer_plan.py) whose parameters carry
+a leading `[repeats]` axis and run under `lax.scan`, so a step compiles one body per period
+position. `Decoder.logits` turns chosen hidden states into vocabulary logits. Pure functions of
+their inputs: no global state, so `jax.jit`, `jax.grad` and `jax.vmap` apply.
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 import jax
@@ -17,105 +19,165 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from agentjax.config import ModelConfig
-from agentjax.models.attention import Attention
-from agentjax.models.layers import GatedMLP, RMSNorm, _init, dense, rope_inverse_frequencies
+from agentjax.kv.cache_layout import kv_slots
+from agentjax.models.layer_plan import LayerKind, Segment, layer_kinds, segment_slot_table, segments_of
+from agentjax.models.layers import GatedMLP, RMSNorm, _init, dense
+from agentjax.models.residual import layer_residual, residual_stream
 
 if TYPE_CHECKING:
-    from agentjax.runner.batch import RaggedBatch
+    from agentjax.ragged_batch import RaggedBatch
+
+# Token mixers by layer type. Each is built as `cls(cfg, layer, kv_groups, rngs=...)` and called as
+# `mixer(x, kv, batch, numerics, slots) -> (out, kv)`, where `kv` is the tuple of KV group buffers
+# and `slots` maps each of its KV roles to its (traced) slot in that role's group buffer.
+MIXERS = {
+    "full_attention": "agentjax.models.attention:Attention",
+    "sliding_attention": "agentjax.models.attention:Attention",
+    "block_sparse_attention": "agentjax.models.block_sparse:BlockSparseAttention",
+    "mla": "agentjax.models.mla:MLAAttention",
+    "kda": "agentjax.models.kda:KimiDeltaAttention",
+    "swa_mqa": "agentjax.models.dsv4_attention:SlidingWindowMQA",
+    "csa": "agentjax.models.dsv4_attention:CompressedSparseAttention",
+    "hca": "agentjax.models.dsv4_attention:HeavilyCompressedAttention",
+}
 
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP blocks; Gemma adds a norm after each block too."""
+def _resolve(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+
+def make_mlp(cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The feed-forward block of a layer: a gated MLP, or a mixture of experts (routed by its router,
+    or by a token-id table for "hash_moe"). Each is called as `mlp(x, numerics, token_ids=...)`."""
+    if kind in ("moe", "hash_moe"):
+        from agentjax.models.moe import MoE
+
+        table_rows = cfg.vocab_size if kind == "hash_moe" else None
+        return MoE(cfg.hidden_size, cfg.moe, dtype=cfg.dtype, rngs=rngs, hash_table_rows=table_rows,
+                   impl=cfg.attention_impl)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation, dtype=cfg.dtype, rngs=rngs,
+                    swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
+                    situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta)
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm token mixer and feed-forward blocks; Gemma adds a norm after each block too.
+
+    The residual stream's topology (agentjax/models/residual.py) decides what the mixer and the MLP
+    read and how their outputs join the stream: plain pre-norm, or Kimi-K3's block attention residuals.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, kind: LayerKind, *, rngs: nnx.Rngs):
         eps, dtype = cfg.rms_norm_eps, cfg.dtype
         self.input_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
-        self.attn = Attention(cfg, layer, rngs=rngs)
+        self.attn = _resolve(MIXERS[kind.mixer])(cfg, layer, dict(kind.kv_groups), rngs=rngs)
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation, dtype=dtype, rngs=rngs)
+        self.mlp = make_mlp(cfg, kind.mlp, rngs=rngs)
         if cfg.use_sandwich_norms:
             self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
             self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
         self.sandwich = cfg.use_sandwich_norms
+        self.residual = layer_residual(cfg, rngs=rngs)
 
-    def __call__(self, x: Array, kv_pages: Array, batch: RaggedBatch, numerics: str,
-                 **layer_settings: Array) -> tuple[Array, Array]:
-        attn_out, kv_pages = self.attn(self.input_norm(x, numerics), kv_pages, batch, numerics, **layer_settings)
+    def __call__(self, stream, kv: tuple, batch: RaggedBatch, numerics: str,
+                 slots: dict[str, Array], layer: Array) -> tuple[object, tuple]:
+        """One layer on the residual `stream`; `layer` is the (traced) layer index."""
+        stream, x = self.residual.mixer_input(stream, layer, numerics)
+        attn_out, kv = self.attn(self.input_norm(x, numerics), kv, batch, numerics, slots)
         if self.sandwich:
             attn_out = self.post_attn_norm(attn_out, numerics)
-        x = x + attn_out
-        mlp_out = self.mlp(self.pre_mlp_norm(x, numerics), numerics)
+        stream, x = self.residual.mlp_input(stream, attn_out, numerics)
+        mlp_out = self.mlp(self.pre_mlp_norm(x, numerics), numerics, token_ids=batch.token_ids)
         if self.sandwich:
             mlp_out = self.post_mlp_norm(mlp_out, numerics)
-        return x + mlp_out, kv_pages
+        return self.residual.add_mlp_output(stream, mlp_out, numerics), kv
 
 
-# Stands for "no window" in a stack that mixes sliding and full-attention layers.
-_NO_WINDOW = 2**30
+class SegmentStack(nnx.Module):
+    """One segment: a block per period position, each with parameters stacked over the repeats."""
 
+    def __init__(self, cfg: ModelConfig, segment: Segment, kinds: list[LayerKind], *, rngs: nnx.Rngs):
+        blocks = []
+        for position in range(segment.period):
+            reps = [DecoderBlock(cfg, segment.layer(rep, position), kinds[segment.layer(rep, position)], rngs=rngs)
+                    for rep in range(segment.repeats)]
+            graphdef, _ = nnx.split(reps[0])
+            stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(nnx.state(block) for block in reps))
+            blocks.append(nnx.merge(graphdef, stacked))
+        self.blocks = nnx.List(blocks)
+        # Per period position: (role, slot of each repeat) as plain ints (static metadata, not parameters).
+        self.slot_tables = tuple(
+            tuple((role, tuple(int(s) for s in table)) for role, table in segment_slot_table(cfg, segment, p).items())
+            for p in range(segment.period))
+        self.layer_ids = tuple(tuple(segment.layer(rep, p) for rep in range(segment.repeats))
+                               for p in range(segment.period))
 
-class LayerStack(nnx.Module):
-    """Every decoder layer as one module whose parameters have a leading `[num_layers]` axis.
-
-    Layers differ only in static settings (window, RoPE base and scaling, index), which become
-    per-layer arrays scanned beside the parameters.
-    """
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        layers = [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
-        graphdef, _ = nnx.split(layers[0])
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(nnx.state(layer) for layer in layers))
-        self.block = nnx.merge(graphdef, stacked)
-        self.num_layers = cfg.num_layers
-        windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
-        self.windows = None if all(w is None for w in windows) else tuple(w or _NO_WINDOW for w in windows)
-        self.rope = tuple((cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i)) for i in range(cfg.num_layers))
-        self.head_dim = cfg.head_dim
-
-    def __call__(self, x: Array, kv_pages: Array, batch: RaggedBatch, numerics: str) -> tuple[Array, Array]:
-        graphdef, stacked = nnx.split(self.block)
-        per_layer = {
-            "layer": jnp.arange(self.num_layers, dtype=jnp.int32),
-            "inv_freq": jnp.stack([rope_inverse_frequencies(self.head_dim, theta, scaling)
-                                   for theta, scaling in self.rope]),
-        }
-        if self.windows is not None:
-            per_layer["sliding_window"] = jnp.asarray(self.windows, jnp.int32)
+    def __call__(self, stream, kv: tuple, batch: RaggedBatch, numerics: str) -> tuple[object, tuple]:
+        split = [nnx.split(block) for block in self.blocks]
+        slots = [{role: jnp.asarray(table, jnp.int32) for role, table in tables} for tables in self.slot_tables]
+        layers = [jnp.asarray(ids, jnp.int32) for ids in self.layer_ids]
 
         def body(carry, scanned):
-            x, kv_pages = carry
-            state, settings = scanned
-            x, kv_pages = nnx.merge(graphdef, state)(x, kv_pages, batch, numerics, **settings)
-            return (x, kv_pages), None
+            stream, kv = carry
+            for (graphdef, _), state, position_slots, layer in zip(split, *scanned):
+                stream, kv = nnx.merge(graphdef, state)(stream, kv, batch, numerics, position_slots, layer)
+            return (stream, kv), None
 
-        (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), (stacked, per_layer))
-        return x, kv_pages
+        (stream, kv), _ = jax.lax.scan(body, (stream, kv), ([state for _, state in split], slots, layers))
+        return stream, kv
 
 
 class Decoder(nnx.Module):
-    """Embeddings, the layer stack, the final norm and the (tied or separate) LM head."""
+    """Embeddings, the layer segments, the final norm and the (tied or separate) LM head."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.embed = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.dtype, scale=0.02))
-        self.layers = LayerStack(cfg, rngs=rngs)
+        kinds = layer_kinds(cfg)
+        self.segments = nnx.List([SegmentStack(cfg, segment, kinds, rngs=rngs) for segment in segments_of(cfg)])
+        self.residual = residual_stream(cfg, rngs=rngs)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(_init(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.dtype))
         self.tied = cfg.tie_word_embeddings
         self.embedding_multiplier = cfg.embedding_multiplier
         self.final_logit_softcap = cfg.final_logit_softcap
+        self.num_kv_groups = len({group for group, _ in kv_slots(cfg).values()})
+        self.hyper_connected = cfg.hyper_connections is not None
+        if cfg.num_mtp_modules:  # MTP modules (MiniMax-M3, DeepSeek-V4): run by speculative decoding's "mtp"
+            from agentjax.models.mtp import mtp_module
+
+            self.mtp = nnx.List([mtp_module(cfg, k, rngs=rngs) for k in range(cfg.num_mtp_modules)])
 
     def __call__(
         self,
-        kv_pages: Float[Array, "layers pages page_size kv2 dim"],
+        kv: tuple,
         batch: RaggedBatch,
         numerics: str = "fast",
-    ) -> tuple[Float[Array, "tokens hidden"], Float[Array, "layers pages page_size kv2 dim"]]:
-        x = jnp.take(self.embed[...], batch.token_ids, axis=0)
+    ) -> tuple[Float[Array, "tokens hidden"], tuple]:
+        """`kv` is the tuple of KV group buffers (`ModelConfig.new_kv_pages`); a batch with one page
+        table serves every group with it (notebooks)."""
+        hidden, _, kv = self.forward_with_mtp_input(kv, batch, numerics)
+        return hidden, kv
+
+    def forward_with_mtp_input(self, kv: tuple, batch: RaggedBatch, numerics: str = "fast"
+                               ) -> tuple[Float[Array, "tokens hidden"], Array, tuple]:
+        """`(final hidden states, what an MTP module reads of each token, kv)`: the final hidden states
+        themselves, or with hyper-connections the residual streams before the hyper-head."""
+        batch = batch.for_groups(self.num_kv_groups)
+        x = self.embed_tokens(batch.token_ids)
+        kv = tuple(kv)
+        stream = self.residual.start(x)
+        for segment in self.segments:
+            stream, kv = segment(stream, kv, batch, numerics)
+        hidden = self.final_norm(self.residual.finish(stream, numerics), numerics)
+        return hidden, stream[0] if self.hyper_connected else hidden, kv
+
+    def embed_tokens(self, token_ids: Array) -> Float[Array, "tokens hidden"]:
+        x = jnp.take(self.embed[...], token_ids, axis=0)
         if self.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
-        x, kv_pages = self.layers(x, kv_pages, batch, numerics)
-        return self.final_norm(x, numerics), kv_pages
+        return x
 
     def logits(self, hidden: Float[Array, "rows hidden"], numerics: str = "fast") -> Float[Array, "rows vocab"]:
         kernel = self.embed[...].T if self.tied else self.lm_head[...]

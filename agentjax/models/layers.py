@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, the gated MLP, RoPE and the batch-invariant dense.
+"""Building blocks of the decoder: RMSNorm, the gated MLP, RoPE; `dense` comes from agentjax.numerics.
 
 Each layer is a Flax NNX module whose parameters are plain arrays, so checkpoints can fill them
 by name. `dense` is the one place a matmul happens. In "batch_invariant" numerics, matmuls and norms
@@ -14,14 +14,10 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from agentjax.config import RopeScaling
-from pallas_kernels.ragged_paged_attention import map_row_blocks
+from agentjax.models.activations import GatedActivation
+from agentjax.numerics import dense, map_row_blocks
 
-
-def dense(x: Float[Array, "rows k"], kernel: Float[Array, "k n"], numerics: str) -> Float[Array, "rows n"]:
-    """`x @ kernel`; in "batch_invariant" numerics, computed in fixed blocks of rows."""
-    if numerics != "batch_invariant":
-        return x @ kernel
-    return map_row_blocks(lambda block: block @ kernel, x)
+__all__ = ["GatedMLP", "Linear", "RMSNorm", "apply_rope", "dense", "map_row_blocks", "rope_inverse_frequencies"]
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: str, scale: float | None = None) -> Array:
@@ -59,30 +55,32 @@ class RMSNorm(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-    """`down(act(gate(x)) * up(x))` with SiLU (llama) or tanh-GELU (gemma)."""
+    """`down(act(gate(x), up(x)))` with a gated activation of agentjax.models.activations (SiLU, tanh-GELU,
+    MiniMax's clamped "swigluoai", Kimi-K3's "situ")."""
 
-    def __init__(self, hidden: int, intermediate: int, activation: str, *, dtype: str, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, intermediate: int, activation: str, *, dtype: str, rngs: nnx.Rngs,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 situ_beta: float = 4.0, situ_linear_beta: float | None = 25.0):
         self.gate_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
-        self.activation = activation
+        self.activation = GatedActivation(activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                                          situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
 
-    def __call__(self, x: Array, numerics: str = "fast") -> Array:
-        gate = self.gate_proj(x, numerics)
-        if self.activation == "gelu_tanh":
-            gate = jax.nn.gelu(gate, approximate=True)
-        else:
-            gate = jax.nn.silu(gate)
-        return self.down_proj(gate * self.up_proj(x, numerics), numerics)
+    def __call__(self, x: Array, numerics: str = "fast", *, token_ids: Array | None = None) -> Array:
+        """`token_ids` belongs to the feed-forward call (a hash-routed MoE reads them); unused here."""
+        return self.down_proj(self.activation(self.gate_proj(x, numerics), self.up_proj(x, numerics)), numerics)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jnp.ndarray:
-    """Per-pair inverse frequencies, with linear or llama3 scaling applied."""
+    """Per-pair inverse frequencies, with linear, llama3 or YaRN scaling applied."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, theta, scaling)
     # llama3: long wavelengths are divided by the factor, short ones kept, a smooth blend between.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -95,15 +93,42 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
     return jnp.where(middle, blended, scaled)
 
 
+def _yarn_inverse_frequencies(inv_freq: Array, dim: int, theta: float, scaling: RopeScaling) -> Array:
+    """YaRN as transformers computes it: frequencies below the beta_slow rotation count are divided by
+    the factor, those above beta_fast kept, a linear ramp between (over `original_max_position_embeddings`)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, to avoid a zero-width ramp
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp  # the share of each frequency left unscaled
+    return (inv_freq / scaling.factor) * (1.0 - keep) + inv_freq * keep
+
+
+def yarn_attention_factor(scaling: RopeScaling | None) -> float:
+    """The factor YaRN multiplies cos and sin by: `attention_factor`, else `0.1 ln(factor) + 1` (1 without YaRN)."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+
+
 def apply_rope(
     x: Float[Array, "tokens heads dim"], positions: Int[Array, " tokens"], inv_freq: Array
 ) -> Float[Array, "tokens heads dim"]:
-    """Rotate-half RoPE (the HF layout: the two halves of each head form the pairs)."""
+    """Rotate-half RoPE (the HF layout: the two halves of the rotated channels form the pairs) on
+    the first `2 * len(inv_freq)` channels of each head; the rest pass through (partial RoPE)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
     x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = x32[..., :half], x32[..., half:]
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    half = inv_freq.shape[0]
+    x1, x2, rest = x32[..., :half], x32[..., half:2 * half], x32[..., 2 * half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
     return rotated.astype(x.dtype)

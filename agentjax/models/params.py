@@ -1,8 +1,9 @@
 """Model parameters as an `nnx.State`, filled from flat `{"layers.0.attn.q_proj.kernel": array}` dicts.
 
 Checkpoint readers produce flat numpy dicts with one name per layer; `params_from_arrays` checks
-every name and shape against the abstract model and stacks the layers into the `[num_layers, ...]`
-parameters of the model's `LayerStack` (`layers.block.*`); `arrays_from_params` splits them back.
+every name and shape against the abstract model first (nothing reaches the device before all of
+them pass), then stacks the layers into the `[repeats, ...]` parameters of the model's segments
+(`segments.{k}.blocks.{j}.*`, see layer_plan.py); `arrays_from_params` splits them back.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import numpy as np
 from flax import nnx
 
 from agentjax.config import ModelConfig
-from agentjax.errors import ModelLoadError
 from agentjax.models.decoder import Decoder
+from agentjax.models.layer_plan import per_layer_names
 
 
 def abstract_model(cfg: ModelConfig) -> Decoder:
@@ -31,56 +32,56 @@ def _name(path: tuple) -> str:
     return ".".join(str(part) for part in path)
 
 
-_STACK_PREFIX = "layers.block."
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint name the model needs, with the shape of its array (one entry per layer)."""
+    _, abstract = split_model(cfg)
+    shapes = {}
+    for path, variable in nnx.to_flat_state(abstract):
+        name = _name(path)
+        names = per_layer_names(cfg, name)
+        shape = tuple(variable.get_value().shape)
+        for n in names:
+            shapes[n] = shape[1:] if len(names) > 1 or name != n else shape
+    return shapes
 
 
-def _per_layer_names(name: str, num_layers: int) -> list[str]:
-    """Checkpoint names behind one model parameter: `layers.block.X` is `layers.{i}.X` for each layer."""
-    if name.startswith(_STACK_PREFIX):
-        return [f"layers.{i}.{name[len(_STACK_PREFIX):]}" for i in range(num_layers)]
-    return [name]
+def check_arrays(cfg: ModelConfig, arrays: Mapping[str, np.ndarray]) -> None:
+    """Raise `TensorMismatchError` naming every missing, unexpected or wrongly shaped tensor."""
+    from checkpoints.validate import check_tensors
+
+    check_tensors(expected_shapes(cfg), arrays)
 
 
 def params_from_arrays(cfg: ModelConfig, arrays: Mapping[str, np.ndarray]) -> nnx.State:
-    """Build the parameter state; every parameter must be present with the right shape."""
+    """Build the parameter state; every parameter must be present with the right shape (checked
+    for all of them before any array is placed on the device)."""
+    check_arrays(cfg, arrays)
     _, abstract = split_model(cfg)
     flat = []
-    missing = []
-    expected_names = set()
     for path, variable in nnx.to_flat_state(abstract):
         name = _name(path)
-        names = _per_layer_names(name, cfg.num_layers)
-        expected_names.update(names)
-        shape = tuple(variable.get_value().shape)
-        each_shape = shape[1:] if name.startswith(_STACK_PREFIX) else shape
-        absent = [n for n in names if n not in arrays]
-        if absent:
-            missing.extend(absent)
-            continue
-        for n in names:
-            if tuple(arrays[n].shape) != each_shape:
-                raise ModelLoadError(f"parameter {n} has shape {tuple(arrays[n].shape)}, the model expects {each_shape}")
-        parts = [jnp.asarray(arrays[n], dtype=cfg.dtype) for n in names]
-        value = jnp.stack(parts) if name.startswith(_STACK_PREFIX) else parts[0]
+        names = per_layer_names(cfg, name)
+        # Integer parameters (a hash-routing table) keep their integer type; weights take the model's.
+        dtype = variable.get_value().dtype if jnp.issubdtype(variable.get_value().dtype, jnp.integer) else cfg.dtype
+        if names == [name]:
+            value = jnp.asarray(arrays[name], dtype=dtype)
+        else:
+            value = jnp.stack([jnp.asarray(arrays[n], dtype=dtype) for n in names])
         flat.append((path, variable.replace(value=value)))
-    if missing:
-        raise ModelLoadError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
-    extra = set(arrays) - expected_names
-    if extra:
-        raise ModelLoadError(f"checkpoint has {len(extra)} unexpected tensors, e.g. {sorted(extra)[:3]}")
     return nnx.from_flat_state(flat)
 
 
-def arrays_from_params(params: nnx.State) -> dict[str, np.ndarray]:
+def arrays_from_params(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndarray]:
     """The inverse of `params_from_arrays`: flat per-layer names to host numpy arrays."""
     arrays = {}
     for path, var in nnx.to_flat_state(params):
         name, value = _name(path), np.asarray(jax.device_get(var.get_value()))
-        if name.startswith(_STACK_PREFIX):
-            for i, part in enumerate(value):
-                arrays[f"layers.{i}.{name[len(_STACK_PREFIX):]}"] = part
-        else:
+        names = per_layer_names(cfg, name)
+        if names == [name]:
             arrays[name] = value
+        else:
+            for n, part in zip(names, value):
+                arrays[n] = part
     return arrays
 
 

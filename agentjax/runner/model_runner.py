@@ -1,12 +1,17 @@
-"""The device side of the engine: parameters, the KV pages, and the compiled step per shape.
+"""The device side of the engine: parameters, the KV buffers, and the compiled step per shape.
 
-`ModelRunner.execute(rows, sampling)` pads the rows into a `RaggedBatch`, runs the jitted sampling
-step (the KV pages are donated and replaced by the returned buffer) and returns one token per row.
-It records every compiled shape, so tests and benchmarks can check that steady state never
-recompiles.
+`ModelRunner.execute(rows, sampling, kv_copies=...)` first runs the scheduler's state-page copies
+(recurrent-state saves and restores), then pads the rows into a `RaggedBatch`, runs the jitted
+sampling step (the KV buffers are donated and replaced by the returned ones) and returns one token
+per row. It records every compiled shape, so tests and benchmarks can check that steady state
+never recompiles. `execute_extended` does the same for a step whose rows ask for penalties or log
+probabilities (`StepExtras`), through the step's extended variants, and also returns them. With a
+device drafter (speculative decoding's "mtp" or "draft_model", `drafting`) every step also proposes
+each row's next draft tokens (`last_drafts`); a draft model's parameters and KV buffers ride along.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -15,65 +20,219 @@ import jax
 import numpy as np
 
 from agentjax.config import ModelConfig
-from agentjax.runner.batch import RaggedBatch
+from agentjax.kv.cache_layout import state_group_ids
+from agentjax.ragged_batch import RaggedBatch, bucket
 from agentjax.runner.compilation_cache import enable_compilation_cache
+from agentjax.runner.drafters import SpecInputs
+from agentjax.runner.extras import StepExtras, penalty_inputs, prompt_logprob_inputs
 from agentjax.runner.sampler import SamplingMetadata
 from agentjax.runner.step import make_sampling_step
 
 logger = logging.getLogger(__name__)
 
+# Copies per call, padded to these sizes (pad copies move the null page onto itself).
+COPY_BUCKETS = (4, 16, 64, 256)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_pages(buffer: jax.Array, sources: jax.Array, destinations: jax.Array) -> jax.Array:
+    """`buffer[:, destinations[i]] = buffer[:, sources[i]]` for each i in order (a later copy may
+    read what an earlier one wrote)."""
+
+    def copy_one(i, buf):
+        return buf.at[:, destinations[i]].set(buf[:, sources[i]])
+
+    return jax.lax.fori_loop(0, sources.shape[0], copy_one, buffer)
+
 
 class ModelRunner:
     """Owns params and KV pages; runs one ragged batch per call."""
 
-    def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast"):
+    # No device drafter unless `__init__` builds one (the sharded runner builds its own state without it).
+    drafting = None
+    drafter = None
+    # With a drafter: each row's proposed next drafts from the last call, [rows, k].
+    last_drafts: np.ndarray | None = None
+
+    def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
+                 logprobs_mode: str = "raw_logprobs", drafting=None):
+        """`drafting` (agentjax.spec_decode.setup.Drafting, or None) names a device drafter: the method,
+        its draft count and, for a draft model, its config and parameters."""
         enable_compilation_cache()
         self.cfg = cfg
+        self.logprobs_mode = logprobs_mode
         self.params = params
         self.page_size = page_size
         self.num_pages = num_pages
         self.numerics = numerics
-        self.kv_pages = cfg.new_kv_pages(num_pages, page_size)
+        self.drafting = drafting
+        self.drafter = make_drafter(cfg, drafting, numerics, page_size) if drafting is not None else None
+        self.kv_pages = self._new_kv_pages()
+        self.state_groups = state_group_ids(cfg)
         self._steps = {
-            True: make_sampling_step(cfg, numerics, greedy_only=True),
-            False: make_sampling_step(cfg, numerics, greedy_only=False),
+            True: make_sampling_step(cfg, numerics, greedy_only=True, drafter=self.drafter),
+            False: make_sampling_step(cfg, numerics, greedy_only=False, drafter=self.drafter),
         }
         self.compiled_shapes: set[tuple] = set()
         # Wall time of the last call spent waiting on the device (dispatch to tokens on the host).
         self.last_device_s = 0.0
 
+    @property
+    def step_params(self):
+        """The step's parameters: the model's, or with a draft model (the model's, the draft model's)."""
+        drafting = self.drafting
+        return (self.params, drafting.draft_params) if drafting is not None and drafting.draft_cfg else self.params
+
+    def _new_kv_pages(self) -> tuple:
+        pages = tuple(self.cfg.new_kv_pages(self.num_pages, self.page_size))
+        if self.drafting is not None and self.drafting.draft_cfg is not None:
+            pages += tuple(self.drafting.draft_cfg.new_kv_pages(self.num_pages, self.page_size))
+        return pages
+
     def execute(
         self,
-        rows: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        rows: Sequence[tuple[Sequence[int], int, Sequence]],
         sampling: Sequence[tuple[float, int, float, int, int]],
         token_bitmask: np.ndarray | None = None,
+        kv_copies: Sequence[tuple[int, int, int]] = (),
+        sample_counts: Sequence[int] | None = None,
+        next_tokens: Sequence[int] | None = None,
     ) -> np.ndarray:
-        """Run rows of `(new_tokens, num_computed, page_table)`; `sampling` per row is
-        `(temperature, top_k, top_p, seed, num_generated)`; `token_bitmask` (`[rows, words]`,
-        optional) limits each row's tokens. Returns a token per row."""
-        batch = RaggedBatch.build(rows, self.page_size)
-        num_rows = batch.num_seqs
-        greedy_only = all(s[0] == 0.0 for s in sampling)
-        meta = SamplingMetadata.greedy(num_rows, self.cfg.vocab_size)
-        if token_bitmask is not None:
-            meta.token_bitmask[: len(rows)] = token_bitmask
-        if not greedy_only:
-            for row, (temperature, top_k, top_p, seed, generated) in enumerate(sampling):
-                meta.temperature[row] = temperature
-                meta.top_k[row] = top_k
-                meta.top_p[row] = top_p
-                meta.seeds[row] = seed
-                meta.num_generated[row] = generated
-        key = (*batch.shape_key(), greedy_only)
-        if key not in self.compiled_shapes:
-            logger.debug("compiling step for shape %s", key)
-            self.compiled_shapes.add(key)
+        """Run rows of `(new_tokens, num_computed, page_tables)` (one page list per KV group);
+        `sampling` per row is `(temperature, top_k, top_p, seed, num_generated)`; `token_bitmask`
+        (`[samples, words]`, optional) limits each sampled position's tokens; `kv_copies` are `(group,
+        source page, destination page)` copies to run first, in order. Returns a token per row, or with
+        `sample_counts` (speculative decoding: a row samples its last `sample_counts[row]` tokens, the
+        i-th of them drawn as the row's `num_generated + i`-th token) the tokens of every row's sampled
+        positions, row after row. With a drafter, `next_tokens[row]` is the known token after the row's
+        last one (-1 where the row's sample is kept) and `last_drafts` holds the next drafts."""
+        batch, meta, greedy_only = self._prepare(rows, sampling, token_bitmask, kv_copies, sample_counts)
+        self._note_shape(self._shape_key(batch, greedy_only))
         started = time.perf_counter()
-        tokens, self.kv_pages = self._steps[greedy_only](self.params, self.kv_pages, batch, meta)
-        tokens = np.asarray(jax.device_get(tokens))[: len(rows)]
+        spec = self._spec_inputs(batch, rows, next_tokens)
+        tokens, self.kv_pages = self._steps[greedy_only](self.step_params, self.kv_pages, batch, meta, *spec)
+        tokens = self._take_drafts(tokens, len(rows))
+        tokens = np.asarray(jax.device_get(tokens))[: sum(sample_counts) if sample_counts else len(rows)]
         self.last_device_s = time.perf_counter() - started
         return tokens
 
+    def _spec_inputs(self, batch: RaggedBatch, rows, next_tokens) -> tuple:
+        """The drafter's extra step argument (none without a drafter)."""
+        if self.drafter is None:
+            return ()
+        return (SpecInputs.build(batch, rows, next_tokens if next_tokens is not None else [-1] * len(rows)),)
+
+    def _take_drafts(self, tokens, num_rows: int):
+        if self.drafter is None:
+            return tokens
+        tokens, drafts = tokens
+        self.last_drafts = np.asarray(jax.device_get(drafts))[:num_rows]
+        return tokens
+
+    def execute_extended(
+        self,
+        rows: Sequence[tuple[Sequence[int], int, Sequence]],
+        sampling: Sequence[tuple[float, int, float, int, int]],
+        extras: StepExtras,
+        token_bitmask: np.ndarray | None = None,
+        kv_copies: Sequence[tuple[int, int, int]] = (),
+        sample_counts: Sequence[int] | None = None,
+        next_tokens: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, dict]:
+        """`execute` for a step whose rows ask for `extras`. Returns the tokens and a dict with
+        `"sampled"`: `(logprob, rank, top ids, top values)` arrays by sampled position (by row without
+        `sample_counts`; when any row asked), and `"prompt"`: per entry of `extras.prompt_positions`,
+        `(row, those four arrays)`. Penalised rows must sample one position."""
+        batch, meta, greedy_only = self._prepare(rows, sampling, token_bitmask, kv_copies, sample_counts)
+        penalties = None
+        if extras.penalties:
+            last_sample = np.cumsum(sample_counts) - 1 if sample_counts else np.arange(len(rows))
+            penalties = penalty_inputs(batch.num_samples, {int(last_sample[row]): p for row, p in extras.penalties.items()})
+        prompt, slices = (prompt_logprob_inputs(batch, extras.prompt_positions) if extras.prompt_positions
+                          else (None, []))
+        mode = self.logprobs_mode if extras.logprobs else None
+        step = self._sampling_step(greedy_only, penalties=penalties is not None, logprobs_mode=mode,
+                                   prompt_logprobs=prompt is not None)
+        self._note_shape((*self._shape_key(batch, greedy_only), penalties is not None and penalties.token_ids.shape[1],
+                          mode, prompt is not None and prompt.indices.shape[0]))
+        started = time.perf_counter()
+        spec = self._spec_inputs(batch, rows, next_tokens)
+        tokens, aux, self.kv_pages = step(self.step_params, self.kv_pages, batch, meta, penalties, prompt, *spec)
+        tokens = self._take_drafts(tokens, len(rows))
+        tokens, aux = jax.device_get((tokens, aux))
+        self.last_device_s = time.perf_counter() - started
+        num_samples = sum(sample_counts) if sample_counts else len(rows)
+        out: dict = {}
+        if "sampled" in aux:
+            out["sampled"] = tuple(np.asarray(a)[:num_samples] for a in aux["sampled"])
+        if "prompt" in aux:
+            arrays = [np.asarray(a) for a in aux["prompt"]]
+            out["prompt"] = [(row, tuple(a[start:stop] for a in arrays)) for row, start, stop in slices]
+        return np.asarray(tokens)[:num_samples], out
+
+    def _sampling_step(self, greedy_only: bool, **variant):
+        """The jitted sampling step of one variant (`make_sampling_step`); the sharded runner
+        (agentjax/runner/sharded_runner.py) gives its shard_map step instead."""
+        return make_sampling_step(self.cfg, self.numerics, greedy_only, drafter=self.drafter, **variant)
+
+    @staticmethod
+    def _shape_key(batch: RaggedBatch, greedy_only: bool) -> tuple:
+        """The compiled shape: a step that samples more positions than rows (speculative decoding)
+        adds its sample count."""
+        key = (*batch.shape_key(), greedy_only)
+        return key if batch.num_samples == batch.num_seqs else (*key, ("samples", batch.num_samples))
+
+    def _prepare(self, rows, sampling, token_bitmask, kv_copies, sample_counts=None
+                 ) -> tuple[RaggedBatch, SamplingMetadata, bool]:
+        if kv_copies:
+            self.copy_pages(kv_copies)
+        batch = RaggedBatch.build(rows, self.page_size, state_groups=self.state_groups, sample_counts=sample_counts)
+        greedy_only = all(s[0] == 0.0 for s in sampling)
+        meta = SamplingMetadata.greedy(batch.num_samples, self.cfg.vocab_size)
+        if token_bitmask is not None:
+            meta.token_bitmask[: len(token_bitmask)] = token_bitmask
+        if not greedy_only:
+            counts = sample_counts or [1] * len(rows)
+            sample = 0
+            for (temperature, top_k, top_p, seed, generated), count in zip(sampling, counts):
+                # the row's i-th sampled position draws its (generated + i)-th token, with that token's key
+                stop = sample + count
+                meta.temperature[sample:stop] = temperature
+                meta.top_k[sample:stop] = top_k
+                meta.top_p[sample:stop] = top_p
+                meta.seeds[sample:stop] = seed
+                meta.num_generated[sample:stop] = np.arange(generated, generated + count)
+                sample = stop
+        return batch, meta, greedy_only
+
+    def _note_shape(self, key: tuple) -> None:
+        if key not in self.compiled_shapes:
+            logger.debug("compiling step for shape %s", key)
+            self.compiled_shapes.add(key)
+
+    def copy_pages(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Run page copies group by group, each group's in the order given."""
+        buffers = list(self.kv_pages)
+        for group in sorted({c[0] for c in copies}):
+            pairs = [(src, dst) for g, src, dst in copies if g == group]
+            size = bucket(len(pairs), COPY_BUCKETS)
+            sources = np.zeros(size, np.int32)
+            destinations = np.zeros(size, np.int32)
+            sources[:len(pairs)], destinations[:len(pairs)] = zip(*pairs)
+            buffers[group] = copy_pages(buffers[group], sources, destinations)
+        self.kv_pages = tuple(buffers)
+
     def reset_kv(self) -> None:
-        self.kv_pages = self.cfg.new_kv_pages(self.num_pages, self.page_size)
+        self.kv_pages = self._new_kv_pages()
+
+
+def make_drafter(cfg: ModelConfig, drafting, numerics: str, page_size: int):
+    """The device drafter of a `Drafting` (agentjax/runner/drafters.py)."""
+    from agentjax.kv.cache_layout import kv_buffer_specs
+    from agentjax.runner.drafters import DraftModelDrafter, MTPDrafter
+
+    k = drafting.num_speculative_tokens
+    if drafting.draft_cfg is None:
+        return MTPDrafter(cfg, k, numerics, page_size)
+    return DraftModelDrafter(cfg, drafting.draft_cfg, len(kv_buffer_specs(cfg, page_size)), k, numerics, page_size)
 

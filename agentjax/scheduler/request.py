@@ -1,7 +1,7 @@
 """Requests and sessions as the scheduler sees them, plus the agent hints that steer both.
 
 Host only: never imports jax. A `Request` is one turn's prompt plus what has been computed and
-generated for it; a `Session` groups a conversation's turns and remembers its soft pin.
+generated for it; a `Session` groups a conversation's turns.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentjax.errors import InvalidRequestError
+from agentjax.logprobs import TokenLogprobs
 from agentjax.sampling_params import SamplingParams
 
 PinMode = Literal["none", "soft", "session"]
@@ -82,6 +83,9 @@ class Request:
     # Prefixes the client marked for reuse, as (num_tokens, ttl_s): pinned when the turn ends.
     pin_prefixes: tuple[tuple[int, float], ...] = ()
     num_preemptions: int = 0
+    # Speculative decoding may add draft tokens to this request's decode rows (off for penalised requests:
+    # their penalties would have to count each draft as an output).
+    allow_drafts: bool = True
     finish_reason: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -94,6 +98,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` without copying the whole sequence (a step's row)."""
+        prompt_len = len(self.prompt_token_ids)
+        if stop <= prompt_len:
+            return self.prompt_token_ids[start:stop]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : stop - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+
     @property
     def is_finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
@@ -101,14 +114,13 @@ class Request:
 
 @dataclass(eq=False)
 class Session:
-    """A conversation's turns and its pin (pages stay cached between turns)."""
+    """A conversation's turns (its pages' pins are the KV policy's: agentjax.scheduler.sessions)."""
 
     session_id: str
     parent_session_id: str | None = None
     request_ids: list[str] = field(default_factory=list)
     last_activity: float = field(default_factory=time.monotonic)
-    pin_expires_at: float | None = None
-    pinned_until_end: bool = False
+    pinned_until_end: bool = False  # its last turn asked for pin "session"
     ended: bool = False
 
 
@@ -122,3 +134,8 @@ class EngineOutput:
     finish_reason: str | None
     num_cached_tokens: int
     num_prompt_tokens: int
+    # Per new token, when the request asked for log probabilities (`SamplingParams.logprobs`).
+    logprobs: list[TokenLogprobs] | None = None
+    # With a request's first output, when it asked for `prompt_logprobs`: one entry per prompt token
+    # (the first None, as nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

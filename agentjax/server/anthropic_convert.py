@@ -1,7 +1,8 @@
 """Anthropic Messages requests -> the shared `ChatInput`, and `cache_control` marks -> page pins.
 
 `tool_use` blocks become assistant `tool_calls` (arguments = the input as JSON text), `tool_result`
-blocks become `tool` messages, system blocks one system message. A `cache_control` mark pins the
+blocks become `tool` messages, system blocks one system message, and `system` turns inside
+`messages` system messages where they stand. A `cache_control` mark pins the
 prompt prefix it closes: the conversation up to and including the marked block is rendered
 without a generation prompt, and the pin covers its longest common prefix with the full prompt
 (so a pin never covers a token the full prompt does not have). Never imports jax.
@@ -80,6 +81,9 @@ def _messages(system: str | list[TextBlock] | None, messages: Sequence[Message])
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
+        if message.role == "system":
+            out.append({"role": "system", "content": _system_turn_text(message, index)})
+            continue
         texts, calls, results = [], [], []
         for number, block in enumerate(message.content):
             where = f"messages.{index}.content.{number}"
@@ -106,6 +110,16 @@ def _messages(system: str | list[TextBlock] | None, messages: Sequence[Message])
                 item["tool_calls"] = calls
             out.append(item)
     return out
+
+
+def _system_turn_text(message: Message, index: int) -> str:
+    texts = []
+    for number, block in enumerate(message.content):
+        if not isinstance(block, TextBlock):
+            where = f"messages.{index}.content.{number}"
+            raise APIError(f"{where}: a system turn holds text blocks only (got {block.type})", param=where)
+        texts.append(block.text)
+    return "\n".join(texts)
 
 
 def _result_text(block: ToolResultBlock) -> str:

@@ -69,7 +69,10 @@ ContentBlock = Annotated[
 
 
 class Message(AnthropicModel):
-    role: Literal["user", "assistant"]
+    """A turn; `system` turns inside `messages` (as Claude Code sends them) render as system turns
+    where they stand."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
@@ -115,7 +118,8 @@ AnthropicToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool 
 
 
 class Metadata(AnthropicModel):
-    user_id: str | None = Field(None, max_length=MAX_ID_LENGTH, description="also the session id")
+    user_id: str | None = Field(None, max_length=4 * MAX_ID_LENGTH,
+                                description="also the session id (its session_id, when it is a JSON object)")
 
 
 class CountTokensRequest(AnthropicModel):
@@ -137,6 +141,10 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0, description="0: off")
     metadata: Metadata | None = None
     stream: bool = False
+    # Accepted and ignored (logged): this server has no thinking mode, context editing or effort levels.
+    thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
     # agentjax extensions, as on the OpenAI routes
     agent_hints: AgentHintsModel | None = None
     priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1, description="lower runs first")

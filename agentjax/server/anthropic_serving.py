@@ -18,6 +18,7 @@ take as the message's usage.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -27,12 +28,23 @@ from starlette.responses import JSONResponse, Response
 from agentjax.sampling_params import SamplingParams
 from agentjax.server.anthropic_convert import cache_marks, chat_input_of, pin_prefixes
 from agentjax.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
-from agentjax.server.chat_path import ChatInput, ChatRun, Finished, TextDelta, ToolCallDelta
+from agentjax.server.chat_path import (
+    ChatInput,
+    ChatRun,
+    Finished,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallDelta,
+    ToolCallStarted,
+)
 from agentjax.server.errors import APIError, ModelNotFoundError
 from agentjax.server.serving import AbortOnCloseStreamingResponse, OpenAIServing, session_id_from
 from agentjax.server.tool_parsers import ToolCall
 
+logger = logging.getLogger(__name__)
+
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+IGNORED_SETTINGS = ("thinking", "context_management", "output_config")
 
 
 def event(payload: dict) -> str:
@@ -54,10 +66,32 @@ def usage_of(finished: Finished, pinned_tokens: int) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": created}
 
 
+def tool_use_id(call_id: str) -> str:
+    return f"toolu_{call_id.removeprefix('call_')}"
+
+
 def tool_use_block(call: ToolCall) -> dict:
-    """A parsed call as a `tool_use` block (the parser guarantees a JSON object of arguments)."""
-    suffix = call.id.removeprefix("call_")
-    return {"type": "tool_use", "id": f"toolu_{suffix}", "name": call.name, "input": json.loads(call.arguments)}
+    """A parsed call as a `tool_use` block; arguments that broke off (a reply cut by max_tokens in
+    the middle of a call) give an empty input."""
+    try:
+        arguments = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        arguments = None
+    return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
+            "input": arguments if isinstance(arguments, dict) else {}}
+
+
+def anthropic_session_id(user_id: str | None) -> str | None:
+    """`metadata.user_id`, or its `session_id` when it is a JSON object (Claude Code sends
+    `{"device_id": ..., "session_id": ...}`)."""
+    if user_id and user_id.lstrip().startswith("{"):
+        try:
+            value = json.loads(user_id)
+        except json.JSONDecodeError:
+            return user_id[:256]
+        if isinstance(value, dict) and isinstance(value.get("session_id"), str) and value["session_id"]:
+            return value["session_id"][:256]
+    return user_id[:256] if user_id else None
 
 
 def content_blocks(parts: list[TextDelta | ToolCallDelta]) -> list[dict]:
@@ -101,7 +135,7 @@ class AnthropicServing:
 
     def sampling_of(self, body: MessagesRequest, prompt_len: int) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.chat_path.max_tokens_for(body.max_tokens, prompt_len),
+            max_tokens=self.chat_path.max_tokens_for(body.max_tokens, prompt_len, api="anthropic"),
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
@@ -109,15 +143,19 @@ class AnthropicServing:
         )
 
     async def messages(self, body: MessagesRequest, request: Request) -> Response:
+        ignored = [name for name in IGNORED_SETTINGS if getattr(body, name) is not None]
+        if ignored:
+            logger.info("/v1/messages: ignoring %s (not supported by this server)",
+                        ", ".join(f"{name}={json.dumps(getattr(body, name))[:80]}" for name in ignored))
         chat, prompt = self.prepare(body)
         sampling = self.sampling_of(body, len(prompt))
         pins = pin_prefixes(self.chat_path, body, chat, prompt)
         user_id = body.metadata.user_id if body.metadata is not None else None
-        session_id = session_id_from(user_id, body.agent_hints, request)
+        session_id = session_id_from(anthropic_session_id(user_id), body.agent_hints, request)
         kwargs = self.openai.engine_kwargs_of(body, session_id)
         if pins:
             kwargs["pin_prefixes"] = pins
-        run = await self.chat_path.start(chat, sampling, prompt, **kwargs)
+        run = (await self.chat_path.start(chat, sampling, prompt, **kwargs)).report_usage_to(request)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         pinned = max((n for n, _ in pins), default=0)
         if body.stream:
@@ -153,17 +191,18 @@ class AnthropicServing:
                                      "content_block": {"type": "text", "text": ""}})
                     yield event({"type": "content_block_delta", "index": index,
                                  "delta": {"type": "text_delta", "text": text}})
-                elif isinstance(item, ToolCallDelta):
+                elif isinstance(item, ToolCallStarted):
                     if text_open:
                         yield event({"type": "content_block_stop", "index": index})
                     index, text_open, held = index + 1, False, ""
-                    block = tool_use_block(item.call)
-                    yield event({"type": "content_block_start", "index": index,
-                                 "content_block": {**block, "input": {}}})
+                    yield event({"type": "content_block_start", "index": index, "content_block": {
+                        "type": "tool_use", "id": tool_use_id(item.id), "name": item.name, "input": {}}})
+                elif isinstance(item, ToolCallArguments):
                     yield event({"type": "content_block_delta", "index": index,
-                                 "delta": {"type": "input_json_delta", "partial_json": item.call.arguments}})
+                                 "delta": {"type": "input_json_delta", "partial_json": item.text}})
+                elif isinstance(item, ToolCallDelta):
                     yield event({"type": "content_block_stop", "index": index})
-                else:
+                elif isinstance(item, Finished):
                     if text_open:
                         yield event({"type": "content_block_stop", "index": index})
                     yield event({"type": "message_delta",

@@ -24,13 +24,29 @@ from agentjax.server import anthropic_protocol as anthropic
 from agentjax.server.anthropic_serving import AnthropicServing
 from agentjax.server.async_engine import AsyncEngine
 from agentjax.server.chat_path import ChatPath
+from agentjax.server.chat_run import USAGE_SCOPE_KEY
+from agentjax.server.responses_protocol import ResponseObject, ResponsesRequest
+from agentjax.server.responses_serving import ResponsesServing
 from agentjax.server.tool_parsers import DEFAULT_TOOL_PARSER
 from agentjax.server.errors import APIError
+from agentjax.server.kv_transfer import install_kv_transfer_routes
+from agentjax.server.kv_view import attach_kv_event_log, install_kv_routes
 from agentjax.server.metrics import ServerMetrics
-from agentjax.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
+from agentjax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from agentjax.server.serving import OpenAIServing, ServerLimits
 
 logger = logging.getLogger(__name__)
+KV_TRANSFER_PATHS = frozenset({"/kv/prefill", "/kv/flush"})
+access_logger = logging.getLogger("agentjax.server.access")
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429)
@@ -49,6 +65,36 @@ def error_response(status: int, message: str, error_type: str = "invalid_request
                         status_code=status)
 
 
+class AccessLogMiddleware:
+    """Pure ASGI: one INFO line per HTTP request once its response has ended (streams included):
+    method, path, status, seconds, and the reply's token counts when it ran on the engine."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        usage: dict = {}
+        scope[USAGE_SCOPE_KEY] = usage
+        status = 500
+        started = time.perf_counter()
+
+        async def recording_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            counts = "".join(f" {key}={value}" for key, value in usage.items())
+            access_logger.info("%s %s %d %.3fs%s", scope.get("method"), scope.get("path"), status,
+                               time.perf_counter() - started, counts)
+
+
 class RequestGuardMiddleware:
     """Pure ASGI: API key check on /v1 routes (`Authorization: Bearer` or Anthropic's `x-api-key`),
     and a cap on request body bytes (413)."""
@@ -64,7 +110,8 @@ class RequestGuardMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         path = scope["path"]
-        if self.api_key is not None and path.startswith("/v1") and not self._authorized(headers):
+        guarded = path.startswith("/v1") or path in KV_TRANSFER_PATHS  # these run the model too
+        if self.api_key is not None and guarded and not self._authorized(headers):
             response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
                                       "or 'x-api-key: <key>'", "authentication_error", code="invalid_api_key",
                                       path=path)
@@ -170,16 +217,19 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: tuple[str, ...] = (),
                api_key: str | None = None, limits: ServerLimits = ServerLimits(),
-               tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
+               tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:  # noqa: PLR0915 (one route each)
     """The app; the engine thread runs while the app's lifespan does. `tool_call_parser` names how
     tool calls are read from replies (`agentjax.server.tool_parsers`)."""
     async_engine = AsyncEngine(engine, max_queued_requests=limits.max_queued_requests)
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.num_in_flight)
     async_engine.on_output = metrics.observe_output
     chat_path = ChatPath(async_engine, tokenizer, max_tokens_limit=limits.max_tokens_limit,
+                         default_max_tokens=limits.default_max_tokens,
                          tool_parser=tool_call_parser)
     serving = OpenAIServing(async_engine, tokenizer, model_name, limits, model_aliases, chat_path)
     messages_serving = AnthropicServing(serving)
+    responses_serving = ResponsesServing(serving)
+    kv_event_log = attach_kv_event_log(async_engine)  # for routers: GET /kv/events
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -196,6 +246,7 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: t
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=limits.max_request_body_bytes)
+    app.add_middleware(AccessLogMiddleware)  # added last: the outermost, so it sees 401s and 413s too
     _install_error_handlers(app, metrics)
 
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
@@ -208,6 +259,16 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: t
         """A continuation of `prompt` (text, token ids, or a list of either)."""
         return await serving.completions(body, request)
 
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_ERROR_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """A model response to `input` (OpenAI Responses API; `stream` for server-sent events)."""
+        return await responses_serving.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERROR_RESPONSES)
+    async def get_response(response_id: str) -> Response:
+        """A stored response (kept in memory, a bounded number of the most recent)."""
+        return responses_serving.retrieve(response_id)
+
     @app.post("/v1/messages", responses=_ANTHROPIC_ERROR_RESPONSES)
     async def messages(body: anthropic.MessagesRequest, request: Request) -> Response:
         """An assistant reply to `messages` (Anthropic Messages API; `stream` for server-sent events)."""
@@ -219,18 +280,31 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: t
         """How many prompt tokens the same request to `/v1/messages` would have."""
         return await messages_serving.count_tokens(body)
 
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's extension: the token ids of a text `prompt`, or of `messages` through the chat template."""
+        return serving.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        """vLLM's extension: the text of `tokens`."""
+        return serving.detokenize(body)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
                                             "owned_by": "agentjax", "max_model_len": async_engine.max_model_len}]}
 
-    @app.get("/health")
+    install_kv_routes(app, kv_event_log, serving, messages_serving, responses_serving)
+    install_kv_transfer_routes(app, async_engine, serving, messages_serving, responses_serving)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not async_engine.is_running:
             return error_response(503, "the engine thread is not running", "server_error", code="unhealthy")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # scrapers probe with HEAD first (AgentX's does)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -59,6 +59,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.on_output = on_output
         self.max_model_len: int = engine.max_model_len
+        self.kv_capacity_tokens: int | None = _kv_capacity_tokens(engine)  # tokens one request's pages may hold
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
@@ -68,6 +69,9 @@ class AsyncEngine:
         self._live: set[str] = set()  # request ids inside the engine; owned by the engine thread
         self.stats: dict = dict(engine.stats())  # replaced (never mutated) by the engine thread
         self.healthy = True
+        # (take the engine's KV events, hand them on): drained by the engine thread with each stats
+        # snapshot; set before `start` (agentjax.server.kv_view.attach_kv_event_log)
+        self.kv_event_sink: tuple[Callable[[], list], Callable[[list], None]] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -122,6 +126,13 @@ class AsyncEngine:
     def end_session(self, session_id: str) -> None:
         self._submit(("end_session", session_id))
 
+    async def flush_offload(self) -> dict[str, bool] | None:
+        """Returns once the page stores of every turn that has ended so far have reached their offload
+        tiers, with each tier's degraded flag; None when the engine has no offload tiers."""
+        flushed = self._loop.create_future()
+        self._submit(("flush_offload", flushed))
+        return await flushed
+
     def _submit(self, command: tuple) -> None:
         self._commands.put(command)
         self._wakeup.set()
@@ -159,6 +170,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._step()
                 else:
+                    self._dispatch_stores()
                     self._publish_stats()
                     self._wakeup.wait(IDLE_WAIT_S)
                     self._wakeup.clear()
@@ -195,7 +207,35 @@ class AsyncEngine:
                 end_session = getattr(self.engine, "end_session", None)
                 if end_session is not None:
                     end_session(command[1])
+            elif kind == "flush_offload":
+                self._flush_offload(command[1])
         self._publish_stats()
+
+    def _flush_offload(self, flushed: asyncio.Future) -> None:
+        """The stores of the turns that ended so far go to their tiers now; `flushed` gets each tier's
+        degraded flag once they are there (None without offload tiers)."""
+        worker, connector = getattr(self.engine, "offload_worker", None), getattr(self.engine, "offload", None)
+        if worker is None or connector is None:
+            self._loop.call_soon_threadsafe(_settle, flushed, None)
+            return
+
+        def reached() -> None:  # from an offload tier thread
+            degraded = {name: connector.health[name].degraded for name in connector.tiers}
+            self._loop.call_soon_threadsafe(_settle, flushed, degraded)
+
+        try:
+            worker.after_stores(self.engine.runner, reached)
+        except Exception as error:  # the flush fails, not the requests in flight
+            logger.exception("dispatching the offload stores failed")
+            self._loop.call_soon_threadsafe(_settle, flushed, error)
+
+    def _dispatch_stores(self) -> None:
+        """Idle: the stores of the turns that just ended go to their tiers now, not with the next request."""
+        worker, connector = getattr(self.engine, "offload_worker", None), getattr(self.engine, "offload", None)
+        if worker is not None and connector is not None:
+            transfers = connector.take_transfers()
+            if transfers:
+                worker.run(self.engine.runner, transfers)
 
     def _step(self) -> None:
         try:
@@ -233,3 +273,26 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         self.stats = dict(self.engine.stats())
+        if self.kv_event_sink is not None:
+            take_events, hand_on = self.kv_event_sink
+            events = take_events()
+            if events:
+                hand_on(events)
+
+
+def _settle(future: asyncio.Future, value: Any) -> None:
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
+def _kv_capacity_tokens(engine: Any) -> int | None:
+    """How many tokens the engine's KV pool holds (pages times page size), if it says."""
+    pages = engine.stats().get("kv_total_blocks")
+    block_size = getattr(getattr(engine, "config", None), "block_size", None)
+    if isinstance(pages, int) and isinstance(block_size, int) and pages > 0:
+        return pages * block_size
+    return None

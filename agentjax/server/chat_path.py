@@ -1,30 +1,41 @@
-"""The one request path both HTTP APIs (OpenAI chat, Anthropic messages) share.
+"""The one request path every HTTP API shares (OpenAI chat and completions, Anthropic messages,
+OpenAI responses).
 
 A front end turns its request into a `ChatInput` (OpenAI-style message dicts, function tools, a
-`ToolChoice`) and `SamplingParams`; `ChatPath` renders the prompt through the chat template,
-adds the structured-output constraint that a forced tool choice needs, queues the request, and
-gives back a `ChatRun` whose `events()` are text deltas, whole tool calls and a final
-`Finished`. The non-streaming reply is those same events collected, so a streamed reply always
-reassembles to the non-streamed one. Never imports jax.
+`ToolChoice`) and `SamplingParams`; `ChatPath` sets the token budget, renders the prompt through
+the chat template, adds the structured-output constraint that a forced tool choice needs, queues
+the request, and gives back a `ChatRun` (`chat_run.py`) whose events are text deltas, tool calls
+as they decode and a final `Finished`. Text completions queue their prompt on the same run with
+no parser. Never imports jax.
 """
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from starlette.requests import Request
-
 from agentjax.sampling_params import SamplingParams
-from agentjax.server.async_engine import AsyncEngine, RequestStream
-from agentjax.server.errors import APIError, ClientDisconnectedError
-from agentjax.server.text import StopTextBuffer
-from agentjax.server.tool_parsers import TextPiece, ToolCall, ToolParser, tool_parser_class
+from agentjax.server.async_engine import AsyncEngine
+from agentjax.server.chat_run import (  # noqa: F401  (re-exported: the front ends import them from here)
+    ChatEvent,
+    ChatResult,
+    ChatRun,
+    Finished,
+    LogprobsDelta,
+    PromptLogprobs,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallDelta,
+    ToolCallStarted,
+    merged_events,
+)
+from agentjax.server.errors import APIError
+from agentjax.server.tool_parsers import tool_parser_class
 from agentjax.structured.spec import StructuredOutput
-from checkpoints.tokenizer import IncrementalDetokenizer
 
-DISCONNECT_POLL_S = 1.0
+# Most calls one reply makes under a forced tool choice with parallel calls: a small model can
+# otherwise repeat calls until max_tokens (the grammar lets the reply end after any call).
+MAX_FORCED_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,10 @@ class ToolChoice:
 
     mode: Literal["auto", "none", "required", "function"] = "auto"
     name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "function")
 
 
 @dataclass
@@ -47,128 +62,50 @@ class ChatInput:
     structured: StructuredOutput | None = None  # a response format (JSON schema or object)
 
 
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """A whole tool call: the parser emits a call once it has read it entirely."""
-
-    index: int
-    call: ToolCall
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str  # stop, length, tool_calls (ended normally after calls) or abort
-    stop_sequence: str | None  # the stop string that ended the reply, if one did
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-ChatEvent = TextDelta | ToolCallDelta | Finished
-
-
-@dataclass
-class ChatResult:
-    text: str
-    tool_calls: list[ToolCall]
-    finished: Finished
-    parts: list[TextDelta | ToolCallDelta] = field(default_factory=list)  # the events in order
-
-
-class ChatRun:
-    """One queued chat request; iterate `events()` once, or `collect()` it."""
-
-    def __init__(self, path: ChatPath, stream: RequestStream, prompt_tokens: int, sampling: SamplingParams,
-                 parser: ToolParser | None):
-        self.path = path
-        self.stream = stream
-        self.request_id = stream.request_id
-        self.prompt_tokens = prompt_tokens
-        self.sampling = sampling
-        self.parser = parser
-
-    def abort(self) -> None:
-        self.path.engine.abort(self.request_id)
-
-    async def events(self) -> AsyncIterator[ChatEvent]:
-        """Text deltas and tool calls as they are decoded, then `Finished`. Engine failures raise
-        `APIError`."""
-        detokenizer = IncrementalDetokenizer(self.path.tokenizer)
-        buffer = StopTextBuffer(self.sampling.stop)
-        completion_tokens, cached, finish_reason, num_calls = 0, 0, "abort", 0
-        async for output in self.stream:
-            completion_tokens += len(output.new_token_ids)
-            cached = max(0, output.num_cached_tokens)
-            delta = detokenizer.add_tokens(output.new_token_ids)
-            if output.finished:
-                delta += detokenizer.flush()
-                finish_reason = output.finish_reason or "stop"
-            text = buffer.push(delta, output.finished)
-            if self.parser is None:
-                pieces = [TextPiece(text)] if text else []
-            else:
-                pieces = self.parser.feed(text, output.finished)
-            for piece in pieces:
-                if isinstance(piece, ToolCall):
-                    yield ToolCallDelta(num_calls, piece)
-                    num_calls += 1
-                elif piece.text:
-                    yield TextDelta(piece.text)
-        if num_calls and finish_reason == "stop":
-            finish_reason = "tool_calls"  # a reply cut off by max_tokens still says "length"
-        yield Finished(finish_reason, buffer.matched, self.prompt_tokens, completion_tokens, cached)
-
-    async def collect(self, request: Request | None = None) -> ChatResult:
-        """All events at once; aborts the request if the client disconnects first."""
-        task = asyncio.ensure_future(self._gather())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if request is not None and await request.is_disconnected():
-                    task.cancel()
-                    raise ClientDisconnectedError("the client disconnected; the request was aborted")
-        finally:
-            self.abort()  # no-op once finished
-
-    async def _gather(self) -> ChatResult:
-        texts, calls, parts = [], [], []
-        async for event in self.events():
-            if isinstance(event, TextDelta):
-                texts.append(event.text)
-            elif isinstance(event, ToolCallDelta):
-                calls.append(event.call)
-            else:
-                return ChatResult("".join(texts), calls, event, parts)
-            parts.append(event)
-        raise APIError("the reply ended without finishing", code="internal_error")
+class ContextLengthError(APIError):
+    """Prompt plus output budget over the model's context (vLLM's 400, naming both numbers)."""
 
 
 class ChatPath:
-    """Renders chats, applies tool choice, and queues them on one `AsyncEngine`."""
+    """Budgets, renders, constrains and queues requests on one `AsyncEngine`."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, *, max_tokens_limit: int, tool_parser: str = "hermes"):
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, *, max_tokens_limit: int | None = None,
+                 default_max_tokens: int | None = None, tool_parser: str = "hermes"):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.max_tokens_limit = max_tokens_limit
+        self.max_tokens_limit = max_tokens_limit  # the operator's cap (--max-tokens-limit); None: none
+        self.default_max_tokens = default_max_tokens  # for requests that set no budget; None: the context left
         self.tool_parser = tool_parser_class(tool_parser)
 
-    def max_tokens_for(self, requested: int | None, prompt_tokens: int, param: str = "max_tokens") -> int:
-        """The request's token budget: what it asked for, or what the context leaves; at most the limit."""
+    # ---- token budget -------------------------------------------------------------------------
+    def max_tokens_for(self, requested: int | None, prompt_tokens: int, param: str = "max_tokens",
+                       api: Literal["openai", "anthropic"] = "openai") -> int:
+        """The output budget, as vLLM sets it: what the request asked for, or (when it asked for
+        nothing) the server's default budget if it has one, else the context left after the prompt
+        (and no more than the KV pool can hold); never more than the context left. Asking
+        for more than the context leaves is a 400 that names both numbers; so is asking for more
+        than the operator's cap, when one is set."""
+        context = self.engine.max_model_len
+        left = context - prompt_tokens
+        if left < 1:  # the engine rejects it too; this says it in the API's words
+            raise ContextLengthError(_prompt_too_long(prompt_tokens, context, api), param="messages",
+                                     code="context_length_exceeded")
         limit = self.max_tokens_limit
         if requested is None:
-            return max(1, min(limit, self.engine.max_model_len - prompt_tokens))
-        if requested > limit:
+            budget = left if self.default_max_tokens is None else min(left, self.default_max_tokens)
+            capacity = getattr(self.engine, "kv_capacity_tokens", None)
+            if capacity is not None and capacity - prompt_tokens >= 1:
+                budget = min(budget, capacity - prompt_tokens)
+            return max(1, min(budget, limit) if limit is not None else budget)
+        if limit is not None and requested > limit:
             raise APIError(f"{param}={requested} exceeds this server's limit of {limit} tokens "
                            f"(--max-tokens-limit)", param=param, code="max_tokens_too_large")
+        if requested > left:
+            raise ContextLengthError(_budget_too_large(param, requested, prompt_tokens, context, api),
+                                     param=param, code="context_length_exceeded")
         return requested
 
+    # ---- tools and prompts --------------------------------------------------------------------
     def check_tools(self, chat: ChatInput, param: str = "tools") -> None:
         names = set()
         for index, tool in enumerate(chat.tools):
@@ -182,7 +119,7 @@ class ChatPath:
                                param=f"{param}[{index}]")
             names.add(function["name"])
         choice = chat.tool_choice
-        if choice.mode in ("required", "function") and not chat.tools:
+        if choice.forced and not chat.tools:
             raise APIError(f"tool_choice {choice.mode!r} needs tools", param="tool_choice")
         if choice.mode == "function" and choice.name not in names:
             raise APIError(f"tool_choice names {choice.name!r}, which is not among the tools "
@@ -197,13 +134,21 @@ class ChatPath:
     def constraint(self, chat: ChatInput) -> StructuredOutput | None:
         """What decoding must produce: a call when the tool choice forces one, else the response format."""
         choice = chat.tool_choice
-        if choice.mode not in ("required", "function"):
+        if not choice.forced:
             return chat.structured
         if chat.structured is not None:
             raise APIError("a response format cannot be combined with a forced tool choice", param="tool_choice")
         functions = [t["function"] for t in chat.tools if choice.mode == "required" or t["function"]["name"] == choice.name]
-        return self.tool_parser.constraint(functions, chat.parallel_tool_calls and choice.mode == "required")
+        return self.tool_parser.constraint(functions, self.max_forced_calls(chat))
 
+    @staticmethod
+    def max_forced_calls(chat: ChatInput) -> int:
+        """Calls a forced tool choice may make in one reply: several only for `required` with
+        parallel calls on."""
+        parallel = chat.parallel_tool_calls and chat.tool_choice.mode == "required"
+        return MAX_FORCED_PARALLEL_CALLS if parallel else 1
+
+    # ---- queueing -----------------------------------------------------------------------------
     async def start(self, chat: ChatInput, sampling: SamplingParams, prompt: Sequence[int] | None = None,
                     **engine_kwargs: Any) -> ChatRun:
         """Queues the chat; `engine_kwargs` go to `Engine.add_request`. A caller that passes `prompt`
@@ -215,5 +160,49 @@ class ChatPath:
         if constraint is not None:
             sampling = replace(sampling, structured=constraint)
         parser = self.tool_parser(chat.tools) if chat.tools and chat.tool_choice.mode != "none" else None
-        stream = await self.engine.add_request(prompt, sampling, **engine_kwargs)
-        return ChatRun(self, stream, len(prompt), sampling, parser)
+        stream = await self.engine.add_request(list(prompt), sampling, **engine_kwargs)
+        forced = chat.tool_choice.forced and parser is not None
+        run = ChatRun(self.engine, self.tokenizer, stream, len(prompt), sampling, parser, forced_calls=forced)
+        run.counts_prompt = engine_kwargs.get("fork_of") is None
+        return run
+
+    async def start_text(self, prompt: Sequence[int], sampling: SamplingParams, **engine_kwargs: Any) -> ChatRun:
+        """Queues a plain text continuation of `prompt` (text completions): no template, no parser."""
+        stream = await self.engine.add_request(list(prompt), sampling, **engine_kwargs)
+        run = ChatRun(self.engine, self.tokenizer, stream, len(prompt), sampling, None)
+        run.counts_prompt = engine_kwargs.get("fork_of") is None
+        return run
+
+    async def start_samples(self, chat: ChatInput | None, sampling: SamplingParams, prompt: Sequence[int],
+                            **engine_kwargs: Any) -> list[ChatRun]:
+        """`sampling.num_samples` runs of one prompt (`n`, or `best_of`), each with its own seed
+        (`SamplingParams.for_sample`): the first computes the prompt, the others wait for it and read
+        its pages. `chat` None queues text completions. One sample is a plain `start`."""
+        runs: list[ChatRun] = []
+        try:
+            for index in range(sampling.num_samples):
+                kwargs = dict(engine_kwargs, fork_of=runs[0].request_id) if index else engine_kwargs
+                sample = sampling.for_sample(index)
+                runs.append(await (self.start_text(prompt, sample, **kwargs) if chat is None
+                                   else self.start(chat, sample, prompt, **kwargs)))
+        except BaseException:
+            for run in runs:
+                run.abort()
+            raise
+        return runs
+
+
+def _budget_too_large(param: str, requested: int, prompt: int, context: int, api: str) -> str:
+    if api == "anthropic":  # Anthropic's words, which harnesses read to retry with a smaller budget
+        return (f"input length and `max_tokens` exceed context limit: {prompt} + {requested} > {context}, "
+                f"decrease input length or `max_tokens` and try again")
+    return (f"'{param}' is too large: {requested}. This model's maximum context length is {context} tokens "
+            f"and your request has {prompt} input tokens ({requested} > {context} - {prompt})")
+
+
+def _prompt_too_long(prompt: int, context: int, api: str) -> str:
+    if api == "anthropic":
+        return f"prompt is too long: {prompt} tokens > {context - 1} maximum"
+    return (f"This model's maximum context length is {context} tokens. However, your request has {prompt} "
+            f"input tokens (at most {context - 1} leave room for one new token). Please reduce the length "
+            f"of the input.")

@@ -31,6 +31,13 @@ class ModelNotFoundError(APIError):
     error_type = "invalid_request_error"
 
 
+class NotFoundError(APIError):
+    """Something the request names (a stored response) does not exist."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
 class RequestTooLargeError(APIError):
     status_code = 413
     error_type = "invalid_request_error"
@@ -55,3 +62,10 @@ class EngineFailedError(APIError):
 
     status_code = 500
     error_type = "server_error"
+
+
+class KVTierUnavailableError(APIError):
+    """A KV transfer a router asked for cannot be made: the shared tier is out of use or too slow."""
+
+    status_code = 503
+    error_type = "service_unavailable"

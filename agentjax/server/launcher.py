@@ -33,10 +33,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-num-seqs", type=int, default=64, help="requests in one step")
     add("--prefill-schedule-interval", type=int, default=1, help="steps between prefill admissions")
     add("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size when --num-kv-blocks is unset")
-    add("--host-cache-gb", type=float, default=0.0, help="host-memory KV offload tier (engine setting)")
-    add("--disk-cache-dir", default=None, help="disk KV offload tier (engine setting)")
-    add("--mooncake-master", default=None, help="Mooncake Store master address (engine setting)")
-    add("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    add("--host-cache-gb", type=float, default=0.0,
+        help="host-memory KV offload tier: GB of pinned host pages (default 0: off)")
+    add("--disk-cache-dir", default=None,
+        help="disk KV offload tier: a directory of page files with checksums, kept across restarts (default: off)")
+    add("--disk-cache-gb", type=float, default=16.0, help="size cap of the disk tier (oldest pages go first)")
+    add("--mooncake-master", default=None,
+        help="distributed KV offload tier: HOST:PORT of a Mooncake Store master (default: off)")
+    add("--mooncake-segment-gb", type=float, default=1.0, help="memory this server lends to the Mooncake pool")
+    add("--kv-offload-retention", choices=("interval", "marconi"), default="interval",
+        help="which pages a finished turn stores in the tiers: interval (all of them) or marconi "
+             "(the prefix a second turn shared, and branch points)")
+    add("--kv-policy", choices=("lru", "hints", "marconi"), default="hints",
+        help="which cached KV pages stay on the device: hints (default: the agent hints' session pins, then "
+             "the pages whose next turn is expected farthest away go first), lru, or marconi (reused and "
+             "branch-point content kept longer)")
+    add("--max-tokens-limit", type=int, default=None,
+        help="an operator's cap on max_tokens (and max_completion_tokens, max_output_tokens); default: none, "
+             "only the context left after the prompt bounds it, as in vLLM")
+    add("--default-max-tokens", type=int, default=None,
+        help="output budget of a request that sets none (as a model's generation config gives vLLM one); "
+             "default: the context left after the prompt")
+    add("--logprobs-mode", choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
+        default="raw_logprobs", help="what logprobs report (vLLM's names): the model's log probabilities "
+        "(default) or logits, before or after penalties, temperature and top-k/top-p")
     add("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=DEFAULT_TOOL_PARSER,
         help="how tool calls are read from replies: hermes (JSON in <tool_call> tags) or json (a JSON reply)")
     add("--max-queued-requests", type=int, default=256, help="requests queued or running before 429")
@@ -51,7 +71,10 @@ def engine_config_from_args(args: argparse.Namespace, base: dict):
     wanted = dict(base, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   prefill_schedule_interval=args.prefill_schedule_interval,
                   kv_cache_memory_gb=args.kv_cache_memory_gb, host_cache_gb=args.host_cache_gb,
-                  disk_cache_dir=args.disk_cache_dir, mooncake_master=args.mooncake_master)
+                  disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb,
+                  mooncake_master=args.mooncake_master, mooncake_segment_gb=args.mooncake_segment_gb,
+                  kv_offload_retention=args.kv_offload_retention, kv_policy=args.kv_policy,
+                  logprobs_mode=args.logprobs_mode)
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     known = {k: v for k, v in wanted.items() if k in fields}
     extra = {k: v for k, v in wanted.items() if k not in fields and v not in (None, 0, 0.0)}
@@ -74,7 +97,7 @@ def served_model_name(args: argparse.Namespace) -> str:
 def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
     import uvicorn
 
-    from agentjax.engine import Engine
+    from agentjax.data_parallel import make_engine
     from agentjax.models import load_model
     from agentjax.server.app import create_app
     from agentjax.server.serving import ServerLimits
@@ -83,12 +106,19 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
         logger.warning("binding to %s without --api-key: anyone who can reach it can use it", args.host)
     config = engine_config_from_args(args, engine_args)
     started = time.perf_counter()
+    if config.num_processes > 1:
+        from sharding.distributed import initialize
+
+        initialize(config)  # before any device is used
     model_cfg, params, tokenizer = load_model(args.model)
-    engine = Engine(model_cfg, params, config, tokenizer)
+    engine = make_engine(model_cfg, params, config, tokenizer)
+    if config.num_processes > 1 and config.process_id != 0:
+        return follow_driver(engine, config)
     name = served_model_name(args)
     logger.warning("loaded %s in %.1fs; serving it as %r on http://%s:%d", model_cfg.name,
                    time.perf_counter() - started, name, args.host, args.port)
-    limits = ServerLimits(max_tokens_limit=args.max_tokens_limit, max_request_body_bytes=args.max_request_body_bytes,
+    limits = ServerLimits(max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
+                          max_request_body_bytes=args.max_request_body_bytes,
                           max_queued_requests=args.max_queued_requests)
     aliases = tuple(a for a in (model_cfg.name, args.model) if a)
     app = create_app(engine, tokenizer, model_name=name, model_aliases=aliases, api_key=args.api_key,
@@ -97,6 +127,18 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                                            access_log=False))
     server.run()
+    if config.num_processes > 1:
+        engine.runner.send({"call": "stop"})  # the other processes' follow loops end too
+    return 0
+
+
+def follow_driver(engine, config) -> int:
+    """A process other than 0 serves no HTTP: it repeats process 0's steps until that one stops."""
+    from sharding.distributed import follow
+
+    logger.warning("process %d of %d: following process 0's steps", config.process_id, config.num_processes)
+    message = follow(engine.runner)
+    logger.warning("process %d: process 0 sent %r; stopping", config.process_id, message.get("call"))
     return 0
 
 

@@ -23,7 +23,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 ENGINE_COUNTERS = (
     ("agentjax:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_query_tokens"),
     ("agentjax:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hit_tokens"),
-    ("agentjax:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
+    ("agentjax:prompt_tokens", "Prompt tokens processed (once for a request's n samples).",
+     "prompt_tokens_total"),
+    ("agentjax:prompt_tokens_computed", "Prompt tokens run through the model (not read from the prefix cache).",
+     "prompt_tokens_computed_total"),
     ("agentjax:generation_tokens", "Tokens generated.", "generation_tokens_total"),
     ("agentjax:num_preemptions", "Requests preempted by the scheduler.", "num_preemptions"),
 )
@@ -58,6 +61,75 @@ class _EngineCollector:
         for name, help_text, key in ENGINE_COUNTERS:
             value = stats.get(key, self.server_counts.get(key, 0))
             yield CounterMetricFamily(name, help_text, value=float(value))
+        if "kv_offload" in stats:
+            yield from offload_metrics(stats["kv_offload"])
+        if "spec_decode" in stats:
+            yield from spec_decode_metrics(stats["spec_decode"])
+
+
+# (metric name, help, key in Engine.stats()["spec_decode"]): vLLM's spec_decode_* counters
+SPEC_DECODE_COUNTERS = (
+    ("agentjax:spec_decode_num_drafts", "Decode rows that carried draft tokens (speculative decoding).", "num_drafts"),
+    ("agentjax:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", "num_draft_tokens"),
+    ("agentjax:spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.", "num_accepted_tokens"),
+)
+
+
+def spec_decode_metrics(spec: dict):
+    """`agentjax:spec_decode_*` families from `Engine.stats()["spec_decode"]`."""
+    for name, help_text, key in SPEC_DECODE_COUNTERS:
+        yield CounterMetricFamily(name, help_text, value=float(spec[key]))
+    per_position = CounterMetricFamily("agentjax:spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted draft tokens by position in the draft (0 = first).",
+                                       labels=["position"])
+    for position, value in enumerate(spec["accepted_per_position"]):
+        per_position.add_metric([str(position)], float(value))
+    yield per_position
+
+
+# (metric name, help, counter name in the offload stats, labelled by reason too)
+OFFLOAD_COUNTERS = (
+    ("agentjax:kv_offload_pages_stored", "KV pages stored into an offload tier.", "pages_stored", False),
+    ("agentjax:kv_offload_pages_loaded", "KV pages loaded back from an offload tier instead of recomputed.",
+     "pages_loaded", False),
+    ("agentjax:kv_offload_load_failures", "KV pages an offload tier could not give back (recomputed), by reason.",
+     "load_failures", True),
+    ("agentjax:kv_offload_store_failures", "KV pages an offload tier could not store, by reason.",
+     "store_failures", True),
+    ("agentjax:kv_offload_degradations", "Times an offload tier was taken out of use, by reason.",
+     "degradations", True),
+)
+
+
+def offload_metrics(offload: dict):
+    """`agentjax:kv_offload_*` families from `Engine.stats()["kv_offload"]`."""
+    counters = offload["counters"]
+    for name, help_text, counter, by_reason in OFFLOAD_COUNTERS:
+        labels = ["tier", "reason"] if by_reason else ["tier"]
+        family = CounterMetricFamily(name, help_text, labels=labels)
+        for tier in offload["tiers"]:
+            reasons = sorted({r for (n, t, r) in counters if n == counter and t == tier}) if by_reason else [""]
+            for reason in reasons:
+                value = float(counters.get((counter, tier, reason), 0))
+                family.add_metric([tier, reason] if by_reason else [tier], value)
+        yield family
+    degraded = GaugeMetricFamily("agentjax:kv_offload_tier_degraded",
+                                 "1 while an offload tier is out of use (or takes no stores) after a fault.",
+                                 labels=["tier"])
+    for tier, value in offload["degraded"].items():
+        degraded.add_metric([tier], float(value))
+    yield degraded
+    yield GaugeMetricFamily("agentjax:kv_offload_requests_loading",
+                            "Requests waiting while their prefix is loaded from an offload tier.",
+                            value=float(offload["requests_waiting_for_load"]))
+    yield CounterMetricFamily("agentjax:kv_offload_prefetched_pages",
+                              "KV pages loaded back for a paused session before its next turn (the KV policy's "
+                              "prefetch).", value=float(offload.get("pages_prefetched", 0)))
+    pages = GaugeMetricFamily("agentjax:kv_offload_tier_pages", "KV pages an offload tier holds.", labels=["tier"])
+    for tier in offload["tiers"]:
+        if tier in ("host", "disk"):
+            pages.add_metric([tier], float(offload[f"{tier}_pages"]))
+    yield pages
 
 
 class ServerMetrics:

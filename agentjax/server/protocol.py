@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 16
 MAX_ID_LENGTH = 256
+MAX_TOP_LOGPROBS = 20  # agentjax.sampling_params.MAX_LOGPROBS (this module imports nothing heavy)
+MAX_N = 128
+MAX_LOGIT_BIAS = 1024
 
 
 class OpenAIModel(BaseModel):
@@ -119,12 +122,19 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=64)] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_N, description="parallel samples (they share the prompt's pages)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(None, ge=0, le=0, description="only 0 is supported")
-    presence_penalty: float | None = Field(None, ge=0, le=0, description="only 0 is supported")
-    logprobs: Any = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100, description="vLLM's; 1 is off")
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (as a string) -> value added to its logit; -100 bans it")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                        description="vLLM's: log probabilities of the prompt's tokens")
+    return_token_ids: bool = Field(False, description="vLLM's: the prompt's and each choice's token ids "
+                                                      "(non-streamed replies)")
     user: str | None = None
     session_id: str | None = Field(None, max_length=MAX_ID_LENGTH)
     agent_hints: AgentHintsModel | None = None
@@ -135,6 +145,9 @@ class SamplingFields(OpenAIModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(False, description="log probabilities of the reply's tokens")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token "
+                                                                                  "(needs logprobs)")
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -149,8 +162,39 @@ class CompletionRequest(SamplingFields):
         list[TokenIds], Field(min_length=1, max_length=64)
     ]
     max_tokens: int | None = Field(16, ge=1)
-    echo: bool = Field(False, description="not supported; must be false")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="log probabilities of the "
+                                 "completion's tokens with this many alternatives")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="samples to draw; the n most likely return")
+    echo: bool = Field(False, description="the prompt's text before the completion")
     suffix: str | None = Field(None, description="not supported; must be null")
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's `/tokenize`: a text `prompt`, or chat `messages` rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=1_000_000)]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -176,7 +220,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -186,6 +230,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -198,7 +243,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -214,7 +259,8 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

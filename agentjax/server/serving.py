@@ -1,14 +1,15 @@
-"""The chat and text completion handlers: request -> engine request(s) -> JSON or server-sent events.
+"""The OpenAI chat and text completion handlers, and vLLM's `/tokenize` and `/detokenize`.
 
-Turns validated schemas into token ids, `SamplingParams`, a session id and `AgentHints`, then
-streams or collects the engine's outputs. A request whose client goes away is aborted, so its
-pages return to the pool. Never touches the engine directly: everything goes through `AsyncEngine`.
+Turns validated schemas into token ids, `SamplingParams`, a session id and `AgentHints`, queues
+them on the shared `ChatPath` (chat requests through the template and tool parser, text
+completions as plain text runs), and streams or collects the `ChatRun` events. A request whose
+client goes away is aborted, so its pages return to the pool. Never touches the engine directly:
+everything goes through `AsyncEngine`.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -20,27 +21,35 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agentjax.sampling_params import SamplingParams
 from agentjax.scheduler.request import AgentHints
-from agentjax.server.async_engine import AsyncEngine, RequestStream
-from agentjax.server.errors import APIError, ClientDisconnectedError, ModelNotFoundError
-from agentjax.server.chat_path import ChatInput, ChatPath, ChatRun, TextDelta, ToolCallDelta, ToolChoice
+from agentjax.server.async_engine import AsyncEngine
+from agentjax.logprobs import cumulative_logprob
+from agentjax.server.chat_path import ChatInput, ChatPath, ChatResult, ChatRun, ToolChoice
+from agentjax.server.errors import APIError, ModelNotFoundError
 from agentjax.server.protocol import (
     AgentHintsModel,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorInfo,
+    DetokenizeRequest,
     NamedToolChoice,
     ResponseFormat,
     SamplingFields,
+    TokenizeRequest,
 )
+from agentjax.server.openai_logprobs import (
+    CompletionLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    join_completion_logprobs,
+    prompt_logprobs_json,
+)
+from agentjax.server.openai_stream import ChatStream, CompletionStream, error_info, sse, usage_of  # noqa: F401
+from agentjax.server.text import chat_messages
 from agentjax.server.tool_parsers import ToolCall
 from agentjax.structured.spec import StructuredOutput
-from agentjax.server.text import StopTextBuffer, apply_stop, chat_messages
-from checkpoints.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADERS = ("x-session-id", "x-correlation-id")
-DISCONNECT_POLL_S = 1.0
 _HINT_FIELDS = {f.name for f in dataclasses.fields(AgentHints)}
 
 
@@ -59,9 +68,12 @@ def session_id_from(body_id: str | None, hints: AgentHintsModel | None, request:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Bounds on what one request may ask for."""
+    """Bounds on what one request may ask for. `max_tokens_limit` is the operator's cap on output
+    budgets (None: only the context left after the prompt bounds them, as in vLLM);
+    `default_max_tokens` the budget of a request that sets none (None: the context left)."""
 
-    max_tokens_limit: int = 4096
+    max_tokens_limit: int | None = None
+    default_max_tokens: int | None = None
     max_request_body_bytes: int = 8 * 2**20
     max_queued_requests: int = 256
 
@@ -80,41 +92,38 @@ class AbortOnCloseStreamingResponse(StreamingResponse):
             self.on_close()
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": max(0, cached_tokens)}}
-
-
 class OpenAIServing:
-    """Serves `/v1/chat/completions` and `/v1/completions` on one `AsyncEngine`."""
+    """Serves `/v1/chat/completions`, `/v1/completions`, `/tokenize` and `/detokenize` on one
+    `AsyncEngine`."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, limits: ServerLimits,
                  model_aliases: tuple[str, ...] = (), chat_path: ChatPath | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.chat_path = chat_path or ChatPath(engine, tokenizer, max_tokens_limit=limits.max_tokens_limit)
+        self.chat_path = chat_path or ChatPath(engine, tokenizer, max_tokens_limit=limits.max_tokens_limit,
+                                               default_max_tokens=limits.default_max_tokens)
         self.model_name = model_name
         self.model_names = {model_name, *model_aliases}
         self.limits = limits
 
     # ---- shared preparation -----------------------------------------------------------------
-    def check_request(self, body: SamplingFields) -> None:
-        if body.model is not None and body.model not in self.model_names:
-            raise ModelNotFoundError(f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ModelNotFoundError(f"model {model!r} does not exist; this server serves {self.model_name!r}",
                                      param="model", code="model_not_found")
-        if body.logprobs:
-            raise APIError("logprobs are not supported", param="logprobs")
+
+    def check_request(self, body: SamplingFields) -> None:
+        self.check_model(body.model)
+        bad = [key for key in body.logit_bias or () if not key.isdigit()]
+        if bad:
+            raise APIError(f"logit_bias keys must be token ids (decimal strings), got {bad[0]!r}", param="logit_bias")
 
     def session_id_of(self, body: SamplingFields, request: Request) -> str | None:
         return session_id_from(body.session_id, body.agent_hints, request)
 
-    def sampling_of(self, body: SamplingFields, requested: int | None, prompt_len: int) -> SamplingParams:
-        max_tokens = self.chat_path.max_tokens_for(requested, prompt_len)
+    def sampling_of(self, body: SamplingFields, requested: int | None, prompt_len: int,
+                    param: str = "max_tokens") -> SamplingParams:
+        max_tokens = self.chat_path.max_tokens_for(requested, prompt_len, param)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(s for s in body.stop or () if s)
         return SamplingParams(
             max_tokens=max_tokens,
@@ -126,9 +135,17 @@ class OpenAIServing:
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             min_tokens=min(body.min_tokens, max_tokens),
+            n=body.n,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias={int(token): value for token, value in body.logit_bias.items()} if body.logit_bias else None,
+            prompt_logprobs=body.prompt_logprobs,
         )
 
-    def engine_kwargs_of(self, body: SamplingFields, session_id: str | None) -> dict:
+    def engine_kwargs_of(self, body, session_id: str | None) -> dict:
+        """Session, priority, hints and cache salt for `Engine.add_request` (any API's body with
+        `agent_hints`, `priority` and `cache_salt` fields)."""
         hints = None
         priority = body.priority
         if body.agent_hints is not None:
@@ -143,31 +160,10 @@ class OpenAIServing:
             kwargs["cache_salt"] = body.cache_salt
         return kwargs
 
-    def finish(self, body: SamplingFields, session_id: str | None) -> None:
+    def finish(self, body, session_id: str | None) -> None:
         """After the last output: a `session_end` hint releases the session's pins."""
         if session_id and body.agent_hints is not None and body.agent_hints.session_end:
             self.engine.end_session(session_id)
-
-    async def collect(self, stream: RequestStream, request: Request) -> tuple[list[int], str | None, int, int]:
-        """(token ids, finish reason, cached tokens, prompt tokens); aborts if the client leaves."""
-        token_ids: list[int] = []
-        finish_reason, cached, prompt_len = None, 0, 0
-        try:
-            while True:
-                try:
-                    output = await asyncio.wait_for(anext(stream), DISCONNECT_POLL_S)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        raise ClientDisconnectedError("the client disconnected; the request was aborted")
-                    continue
-                token_ids.extend(output.new_token_ids)
-                finish_reason = output.finish_reason or finish_reason
-                cached, prompt_len = output.num_cached_tokens, output.num_prompt_tokens
-        finally:
-            self.engine.abort(stream.request_id)  # no-op once finished
-        return token_ids, finish_reason, cached, prompt_len
 
     # ---- chat ---------------------------------------------------------------------------------
     def chat_input_of(self, body: ChatCompletionRequest) -> ChatInput:
@@ -182,123 +178,124 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_request(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         chat = self.chat_input_of(body)
         self.chat_path.check_tools(chat)
         prompt = self.chat_path.prompt_ids(chat)
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sampling = self.sampling_of(body, requested, len(prompt))
+        if body.max_completion_tokens is not None:
+            sampling = self.sampling_of(body, body.max_completion_tokens, len(prompt), "max_completion_tokens")
+        else:
+            sampling = self.sampling_of(body, body.max_tokens, len(prompt))
+        if body.logprobs:
+            sampling = dataclasses.replace(sampling, logprobs=body.top_logprobs or 0)
         session_id = self.session_id_of(body, request)
-        run = await self.chat_path.start(chat, sampling, prompt, **self.engine_kwargs_of(body, session_id))
+        runs = await self.chat_path.start_samples(chat, sampling, prompt, **self.engine_kwargs_of(body, session_id))
+        for run in runs:
+            run.report_usage_to(request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        texts = TokenTexts(self.tokenizer)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._chat_events(run, response_id, body, include_usage, session_id)
-            return AbortOnCloseStreamingResponse(events, run.abort)
-        result = await run.collect(request)
+            stream = ChatStream(self.model_name, response_id, texts, include_usage,
+                                lambda: self.finish(body, session_id))
+            return AbortOnCloseStreamingResponse(stream.events(runs, body.prompt_logprobs is not None),
+                                                 lambda: _abort(runs))
+        results = await _collect(runs, request)
         self.finish(body, session_id)
-        message = {"role": "assistant", "content": result.text if result.text or not result.tool_calls else None}
-        if result.tool_calls:
-            message["tool_calls"] = [_tool_call_json(call) for call in result.tool_calls]
-        done = result.finished
-        return JSONResponse({
-            "id": response_id, "object": "chat.completion", "created": _now(), "model": self.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}],
-            "usage": usage_of(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
-        })
-
-    async def _chat_events(self, run: ChatRun, response_id: str, body: ChatCompletionRequest,
-                           include_usage: bool, session_id: str | None) -> AsyncIterator[str]:
-        created = _now()
-
-        def chunk(delta: dict, finish_reason: str | None = None) -> str:
-            payload = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                       "model": self.model_name,
-                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
-
-        yield chunk({"role": "assistant", "content": ""})
-        try:
-            async for event in run.events():
-                if isinstance(event, TextDelta):
-                    yield chunk({"content": event.text})
-                elif isinstance(event, ToolCallDelta):
-                    call = event.call
-                    yield chunk({"tool_calls": [{"index": event.index, "id": call.id, "type": "function",
-                                                 "function": {"name": call.name, "arguments": ""}}]})
-                    yield chunk({"tool_calls": [{"index": event.index, "function": {"arguments": call.arguments}}]})
-                else:
-                    yield chunk({}, event.finish_reason)
-                    if include_usage:
-                        yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                                   "model": self.model_name, "choices": [],
-                                   "usage": usage_of(event.prompt_tokens, event.completion_tokens,
-                                                     event.cached_tokens)})
-                    self.finish(body, session_id)
-        except APIError as exc:
-            yield sse({"error": ErrorInfo(message=exc.message, type=exc.error_type, code=exc.code).model_dump()})
-        yield "data: [DONE]\n\n"
-
-    async def _text_deltas(self, stream: RequestStream, sampling: SamplingParams) -> AsyncIterator[tuple[str, object]]:
-        """("text", delta) items, then ("done", (finish_reason, completion_tokens, cached)) or ("error", info)."""
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
-        buffer = StopTextBuffer(sampling.stop)
-        completion_tokens, cached, finish_reason = 0, 0, None
-        try:
-            async for output in stream:
-                completion_tokens += len(output.new_token_ids)
-                cached = output.num_cached_tokens
-                delta = detokenizer.add_tokens(output.new_token_ids)
-                if output.finished:
-                    delta += detokenizer.flush()
-                    finish_reason = output.finish_reason
-                text = buffer.push(delta, output.finished)
-                if text:
-                    yield "text", text
-        except APIError as exc:
-            yield "error", ErrorInfo(message=exc.message, type=exc.error_type, code=exc.code).model_dump()
-            return
-        yield "done", (finish_reason, completion_tokens, cached)
+        choices = []
+        for index, result in enumerate(results):
+            message = {"role": "assistant", "content": result.text if result.text or not result.tool_calls else None}
+            if result.tool_calls:
+                message["tool_calls"] = [_tool_call_json(call) for call in result.tool_calls]
+            logprobs = {"content": chat_logprobs(result.logprobs, texts)} if result.logprobs is not None else None
+            choices.append({"index": index, "message": message, "finish_reason": result.finished.finish_reason,
+                            "logprobs": logprobs, **({"token_ids": result.token_ids} if body.return_token_ids else {})})
+        first = results[0].finished
+        reply = {"id": response_id, "object": "chat.completion", "created": _now(), "model": self.model_name,
+                 "choices": choices,
+                 "usage": usage_of(first.prompt_tokens, sum(r.finished.completion_tokens for r in results),
+                                   first.cached_tokens)}
+        if body.prompt_logprobs is not None:
+            reply["prompt_logprobs"] = prompt_logprobs_json(first.prompt_logprobs, texts)
+        if body.return_token_ids:
+            reply["prompt_token_ids"] = list(prompt)
+        return JSONResponse(reply)
 
     # ---- text completions ---------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_request(body)
-        if body.echo or body.suffix:
-            raise APIError("echo and suffix are not supported", param="echo" if body.echo else "suffix")
+        if body.suffix:
+            raise APIError("suffix is not supported", param="suffix")
         prompts = self._prompts_of(body.prompt)
         if body.stream and len(prompts) > 1:
             raise APIError("a streaming completion takes one prompt; got a list of "
                            f"{len(prompts)}", param="prompt")
+        best_of = body.best_of if body.best_of is not None and body.best_of != body.n else None
+        if best_of is not None and best_of < body.n:
+            raise APIError(f"best_of={best_of} must be >= n={body.n}", param="best_of")
+        if best_of is not None and body.stream:
+            raise APIError("best_of > n cannot be streamed (the best samples are known only at the end)",
+                           param="best_of")
         session_id = self.session_id_of(body, request)
         kwargs = self.engine_kwargs_of(body, session_id)
-        samplings = [self.sampling_of(body, body.max_tokens, len(p)) for p in prompts]
-        streams: list[RequestStream] = []
+        samplings = [self._completion_sampling(body, len(p), best_of) for p in prompts]
+        groups: list[list[ChatRun]] = []
         try:
             for prompt, sampling in zip(prompts, samplings):
-                streams.append(await self.engine.add_request(prompt, sampling, **kwargs))
+                groups.append(await self.chat_path.start_samples(None, sampling, prompt, **kwargs))
+                for run in groups[-1]:
+                    run.report_usage_to(request)
         except BaseException:
-            for stream in streams:
-                self.engine.abort(stream.request_id)
+            _abort([run for group in groups for run in group])
             raise
         response_id = f"cmpl-{uuid.uuid4().hex}"
+        texts = TokenTexts(self.tokenizer)
+        echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._completion_events(streams[0], response_id, body, samplings[0], len(prompts[0]),
-                                             include_usage, session_id)
-            return AbortOnCloseStreamingResponse(events, lambda: self.engine.abort(streams[0].request_id))
-        results = await asyncio.gather(*(self.collect(s, request) for s in streams))
+            stream = CompletionStream(self.model_name, response_id, texts, include_usage,
+                                      lambda: self.finish(body, session_id))
+            events = stream.events(groups[0], prompts[0], echoes[0], body.logprobs is not None,
+                                   body.prompt_logprobs is not None)
+            return AbortOnCloseStreamingResponse(events, lambda: _abort(groups[0]))
+        results = await _collect([run for group in groups for run in group], request)
         self.finish(body, session_id)
-        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
-        for index, ((token_ids, reason, cached, _), prompt, sampling) in enumerate(zip(results, prompts, samplings)):
-            text = apply_stop(self.tokenizer.decode(token_ids), sampling.stop)
-            choices.append({"index": index, "text": text, "finish_reason": reason, "logprobs": None})
-            prompt_tokens += len(prompt)
-            completion_tokens += len(token_ids)
-            cached_tokens += max(0, cached)
+        choices, prompt_tokens, completion_tokens, cached_tokens, at = [], 0, 0, 0, 0
+        for prompt, echo, group in zip(prompts, echoes, groups):
+            samples = results[at:at + len(group)]
+            at += len(group)
+            first = samples[0].finished
+            prompt_tokens += first.prompt_tokens
+            cached_tokens += first.cached_tokens
+            completion_tokens += sum(r.finished.completion_tokens for r in samples)
+            if len(samples) > body.n:  # best_of: the n samples of highest cumulative log probability
+                samples = sorted(samples, key=lambda r: -cumulative_logprob(r.logprobs))[:body.n]
+            for result in samples:
+                choice = {"index": len(choices), "text": echo + result.text,
+                          "finish_reason": result.finished.finish_reason, "logprobs": None}
+                if body.logprobs is not None:
+                    builder = CompletionLogprobs(texts)
+                    parts = [builder.chunk(first.prompt_logprobs, prompt)] if body.echo else []
+                    choice["logprobs"] = join_completion_logprobs([*parts, builder.chunk(result.logprobs)])
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(first.prompt_logprobs, texts)
+                if body.return_token_ids:
+                    choice.update(prompt_token_ids=list(prompt), token_ids=result.token_ids)
+                choices.append(choice)
         return JSONResponse({"id": response_id, "object": "text_completion", "created": _now(),
                              "model": self.model_name, "choices": choices,
                              "usage": usage_of(prompt_tokens, completion_tokens, cached_tokens)})
+
+    def _completion_sampling(self, body: CompletionRequest, prompt_len: int, best_of: int | None) -> SamplingParams:
+        """The request's settings; best_of needs each sample's log probabilities to rank them, and echo
+        with logprobs needs the prompt's."""
+        sampling = self.sampling_of(body, body.max_tokens, prompt_len)
+        logprobs = body.logprobs if body.logprobs is not None else (0 if best_of is not None else None)
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        return dataclasses.replace(sampling, best_of=best_of, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _prompts_of(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -307,37 +304,48 @@ class OpenAIServing:
             return [list(prompt)]
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
-    async def _completion_events(self, stream: RequestStream, response_id: str, body: CompletionRequest,
-                                 sampling: SamplingParams, prompt_len: int, include_usage: bool,
-                                 session_id: str | None) -> AsyncIterator[str]:
-        created = _now()
+    # ---- tokenizer routes (vLLM's extension) ----------------------------------------------------
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("send either prompt (text) or messages (a chat), not both or neither", param="prompt")
+        if body.prompt is not None:
+            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+            chat = ChatInput(chat_messages(body.messages), tools)
+            self.chat_path.check_tools(chat)
+            tokens = self.chat_path.prompt_ids(chat, add_generation_prompt=body.add_generation_prompt)
+        strs = [self.tokenizer.decode([t], skip_special_tokens=False) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens,
+                "token_strs": strs}
 
-        def chunk(text: str, finish_reason: str | None = None) -> str:
-            payload = {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
-
-        async for kind, value in self._text_deltas(stream, sampling):
-            if kind == "text":
-                yield chunk(value)
-            elif kind == "error":
-                yield sse({"error": value})
-                break
-            else:
-                finish_reason, completion_tokens, cached = value
-                yield chunk("", finish_reason)
-                if include_usage:
-                    yield sse({"id": response_id, "object": "text_completion", "created": created,
-                               "model": self.model_name, "choices": [],
-                               "usage": usage_of(prompt_len, completion_tokens, cached)})
-                self.finish(body, session_id)
-        yield "data: [DONE]\n\n"
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if isinstance(vocab, int):
+            bad = [t for t in body.tokens if t >= vocab]
+            if bad:
+                raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
 
 def _now() -> int:
     return int(time.time())
+
+
+def _abort(runs: list[ChatRun]) -> None:
+    for run in runs:
+        run.abort()
+
+
+async def _collect(runs: list[ChatRun], request: Request) -> list[ChatResult]:
+    """Every run's result; if one fails, the others are aborted too."""
+    try:
+        return list(await asyncio.gather(*(run.collect(request) for run in runs)))
+    except BaseException:
+        _abort(runs)
+        raise
 
 
 def _tool_call_json(call: ToolCall) -> dict:

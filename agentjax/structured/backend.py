@@ -86,3 +86,29 @@ class GrammarBackend:
 
         self._llguidance()
         fill_next_token_bitmask_par(self._executor, list(rows), bitmask)
+
+    def fill_bitmask_with_drafts(self, bitmask: np.ndarray, rows: Sequence[tuple[Any, int, Sequence[int]]]) -> None:
+        """For each `(matcher, first_row, draft_tokens)`: the next-token mask into `bitmask[first_row]`, and
+        into `bitmask[first_row + i]` the mask after the first `i` drafts (speculative decoding: each draft
+        position is constrained as if the drafts before it were taken). The matchers end where they began.
+        A draft the grammar refuses leaves the rows after it all ones (nothing sampled there is kept)."""
+        plain = [(matcher, row) for matcher, row, drafts in rows if not drafts]
+        if plain:
+            self.fill_bitmask(bitmask, plain)
+        drafted = [entry for entry in rows if entry[2]]
+        if not drafted:
+            return
+        from llguidance.numpy import fill_next_token_bitmask
+
+        self._llguidance()
+        for matcher, row, drafts in drafted:
+            consumed = 0
+            fill_next_token_bitmask(matcher, bitmask, row)
+            valid = matcher.validate_tokens([int(t) for t in drafts])  # consuming a refused token is an error
+            for token in drafts[:valid]:
+                if not matcher.consume_token(int(token)):
+                    break
+                consumed += 1
+                fill_next_token_bitmask(matcher, bitmask, row + consumed)
+            if consumed:
+                matcher.rollback(consumed)

@@ -90,3 +90,64 @@ def test_unsupported_hf_architecture_is_named(tmp_path):
 def test_directory_without_config_is_rejected(tmp_path):
     with pytest.raises(ModelLoadError, match="config.json"):
         load_hf(tmp_path)
+
+
+@pytest.mark.slow
+def test_directory_without_tokenizer_serves_token_ids(smollm2_hf_dir, tmp_path):
+    from agentjax import LLM, SamplingParams
+    from checkpoints.embedded import smollm2_path
+    from checkpoints.tokenizer import Tokenizer
+
+    source = smollm2_hf_dir[0]
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(source / name)
+    llm = LLM(str(bare), num_kv_blocks=64)
+    assert llm.tokenizer is None
+    tokenizer = Tokenizer.from_gguf(smollm2_path())
+    out = llm.generate([tokenizer.encode("The capital of France is")], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert tokenizer.decode(out.token_ids).startswith(" Paris") and out.text == ""
+
+
+def test_gemma3_directory_folds_the_norm_offset_into_the_model_shapes(tmp_path):
+    from agentjax.models.params import expected_shapes
+
+    config = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 100,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 512,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                            "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}},
+    }
+    rng = np.random.default_rng(0)
+    hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 128
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((100, hidden), np.float32),
+               "model.norm.weight": np.full(hidden, 0.5, np.float32)}
+    for i in range(2):
+        layer = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            tensors[layer + norm + ".weight"] = np.zeros(hidden, np.float32)
+        tensors[layer + "self_attn.q_norm.weight"] = np.zeros(head_dim, np.float32)
+        tensors[layer + "self_attn.k_norm.weight"] = np.zeros(head_dim, np.float32)
+        for proj, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                           ("v_proj", kv_heads * head_dim)):
+            tensors[layer + f"self_attn.{proj}.weight"] = rng.standard_normal((rows, hidden), np.float32)
+        tensors[layer + "self_attn.o_proj.weight"] = rng.standard_normal((hidden, heads * head_dim), np.float32)
+        for proj in ("gate_proj", "up_proj"):
+            tensors[layer + f"mlp.{proj}.weight"] = rng.standard_normal((inter, hidden), np.float32)
+        tensors[layer + "mlp.down_proj.weight"] = rng.standard_normal((hidden, inter), np.float32)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied: saved but not read
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    cfg, arrays, tokenizer = load_hf(tmp_path, expected_shapes)
+    assert cfg.architecture == "gemma3" and tokenizer is None
+    assert set(arrays) == set(expected_shapes(cfg))
+    np.testing.assert_array_equal(arrays["final_norm.weight"], 1.5)
+    np.testing.assert_array_equal(arrays["layers.1.post_mlp_norm.weight"], 1.0)
+    np.testing.assert_array_equal(arrays["layers.0.attn.k_norm.weight"], 1.0)
+    np.testing.assert_array_equal(arrays["layers.1.attn.k_proj.kernel"],
+                                  tensors["model.layers.1.self_attn.k_proj.weight"].T)

@@ -10,7 +10,7 @@ from checkpoints.orbax_io import restore_params, save_params
 
 def test_round_trip_is_bit_exact(tmp_path):
     cfg = PRESETS["tiny-sliding"]
-    arrays = arrays_from_params(random_params(cfg, seed=3))
+    arrays = arrays_from_params(cfg, random_params(cfg, seed=3))
     save_params(tmp_path / "entry", cfg, arrays)
     restored_cfg, restored = restore_params(tmp_path / "entry")
     assert restored_cfg == cfg

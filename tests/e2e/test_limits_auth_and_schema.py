@@ -55,7 +55,7 @@ BAD_REQUESTS = {
     "negative max_tokens": (json.dumps({**CHAT, "max_tokens": -1}).encode(), 400, "max_tokens"),
     "prompt over max_model_len": (
         json.dumps({**CHAT, "messages": [{"role": "user", "content": "word " * 2 * MAX_MODEL_LEN}]}).encode(),
-        400, f"context is {MAX_MODEL_LEN}"),
+        400, f"maximum context length is {MAX_MODEL_LEN} tokens"),
     "unknown model": (json.dumps({**CHAT, "model": "gpt-17"}).encode(), 404, "gpt-17"),
     "wrongly typed agent_hints": (
         json.dumps({**CHAT, "agent_hints": {"expected_next_turn_s": "a while"}}).encode(), 400,
@@ -86,7 +86,9 @@ def test_schemathesis_finds_no_server_errors(server):
 
     schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models",
+                                              "/v1/responses", "/v1/responses/{response_id}", "/v1/messages",
+                                              "/tokenize", "/detokenize"}
     for operation in operations:
         examples = 20 if operation.method.upper() == "POST" else 3
 

@@ -122,3 +122,47 @@ def test_bad_tool_requests_get_a_400_naming_the_field(main_server, body, param):
     if param is not None:
         assert (error["param"] or "").startswith(param), error
     main_server.assert_healthy()
+
+
+REQUIRED_PROMPTS = [
+    "What is the weather in Paris?", "Is it raining in Tokyo right now?", "How cold is Oslo today?",
+    "Weather report for Cairo, please.", "Should I take an umbrella in London?", "Temperature in Lima?",
+    "Is it sunny in Madrid and in Rome?", "What's the forecast for Sydney?", "Wind in Chicago today?",
+    "Check the weather in Nairobi.",
+]
+
+
+def test_required_parallel_calls_end_with_tool_calls_and_stream_their_arguments(main_server):
+    """tool_choice "required" with parallel calls: every reply ends after whole calls (never by running
+    to max_tokens), and its streamed deltas (arguments in several fragments, the first before the
+    call is complete) reassemble to the non-streamed calls."""
+    import asyncio
+
+    client = main_server.async_openai()
+    request = {"model": MODEL, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": True,
+               "max_tokens": 256, "temperature": 0}
+
+    async def one(prompt: str):
+        messages = [{"role": "user", "content": prompt}]
+        plain = await client.chat.completions.create(messages=messages, **request)
+        calls, fragments, finish = {}, 0, None
+        async for chunk in await client.chat.completions.create(messages=messages, stream=True, **request):
+            for part in chunk.choices[0].delta.tool_calls or ():
+                call = calls.setdefault(part.index, {"name": "", "arguments": ""})
+                call["name"] += (part.function and part.function.name) or ""
+                call["arguments"] += (part.function and part.function.arguments) or ""
+                fragments += bool(part.function and part.function.arguments)
+            finish = chunk.choices[0].finish_reason or finish
+        return plain.choices[0], calls, fragments, finish
+
+    async def all_prompts():
+        return await asyncio.gather(*(one(prompt) for prompt in REQUIRED_PROMPTS))
+
+    for choice, calls, fragments, finish in asyncio.run(all_prompts()):
+        assert choice.finish_reason == finish == "tool_calls", (choice, finish)
+        expected = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == expected
+        assert len(set(expected)) == len(expected)  # no call repeated
+        assert fragments > len(expected)  # arguments came in pieces, not as one string per call
+        for _, arguments in expected:
+            jsonschema.validate(json.loads(arguments), WEATHER_SCHEMA)

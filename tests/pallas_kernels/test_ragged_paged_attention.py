@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agentjax.runner.batch import RaggedBatch
+from agentjax.ragged_batch import RaggedBatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -53,9 +53,9 @@ def _run(seqs, chunks, page_size, window, hq=4, hk=2, dim=8, batch_invariant=Fal
             qs[pos : pos + c], ks[pos : pos + c], vs[pos : pos + c] = (x[start : start + c] for x in seqs[i])
             pos += c
         out, kv = _attention(
-            jnp.asarray(qs), jnp.asarray(ks), jnp.asarray(vs), kv, batch.kv_lens, batch.page_indices,
+            jnp.asarray(qs), jnp.asarray(ks), jnp.asarray(vs), kv, batch.kv_lens, batch.page_indices[0],
             batch.cu_q_lens, layer=0, token_seq_ids=batch.seq_ids, token_positions=batch.positions,
-            slot_mapping=batch.slot_mapping, sm_scale=dim**-0.5, sliding_window=window,
+            slot_mapping=batch.slot_mapping[0], sm_scale=dim**-0.5, sliding_window=window,
             batch_invariant=batch_invariant,
         )
         out = np.asarray(out)
@@ -88,3 +88,31 @@ def test_batch_invariant_chunking_does_not_change_any_output_bit(window):
     np.testing.assert_array_equal(alone[0], whole[1])
     for a, b in zip(whole, chunked):
         np.testing.assert_array_equal(a, b)
+
+
+def test_soft_cap_sinks_and_lse_match_a_dense_float64_softmax():
+    rng = np.random.default_rng(2)
+    n, hq, hk, dim, page_size, cap, window = 13, 4, 2, 8, 4, 1.5, 6
+    q, k, v = (rng.standard_normal((n, h, dim)).astype(np.float32) for h in (hq, hk, hk))
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    batch = RaggedBatch.build([([1] * n, 0, [1, 2, 3, 4])], page_size)
+    kv = jnp.zeros((1, 5, page_size, 2 * hk, dim), jnp.float32)
+    pad = batch.num_tokens - n
+    padded = [jnp.asarray(np.pad(x, ((0, pad), (0, 0), (0, 0)))) for x in (q, k, v)]
+    out, _, lse = ragged_paged_attention(
+        *padded, kv, batch.kv_lens, batch.page_indices[0], batch.cu_q_lens, layer=0, token_seq_ids=batch.seq_ids,
+        token_positions=batch.positions, slot_mapping=batch.slot_mapping[0], sm_scale=dim**-0.5,
+        sliding_window=window, soft_cap=cap, sinks=jnp.asarray(sinks), return_lse=True,
+    )
+    kr, vr = np.repeat(k, hq // hk, 1).astype(np.float64), np.repeat(v, hq // hk, 1).astype(np.float64)
+    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), kr) * dim**-0.5
+    s = cap * np.tanh(s / cap)
+    i, j = np.arange(n)[:, None], np.arange(n)[None]
+    s = np.where((j <= i) & (j > i - window), s, -np.inf)
+    s = np.concatenate([s, np.broadcast_to(sinks[:, None, None], (hq, n, 1))], axis=-1)
+    weights = np.exp(s - s.max(-1, keepdims=True))
+    probs = weights / weights.sum(-1, keepdims=True)
+    want = np.einsum("hqk,khd->qhd", probs[..., :n], vr)
+    want_lse = np.log(np.exp(s).sum(-1)).T
+    np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse[:n]), want_lse, atol=2e-5, rtol=1e-5)

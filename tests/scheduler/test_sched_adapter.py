@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from sched_adapter import AgentjaxSchedulerAdapter  # noqa: E402
 
-HARNESS = Path("/work/shared/bench/vllm_baseline")
+HARNESS = Path(__file__).resolve().parents[3] / "shared" / "bench" / "vllm_baseline"
 
 
 def drain(ad, limit=10_000):

@@ -1,8 +1,10 @@
 """A jax-free stand-in for the engine and tokenizer, so the HTTP layer tests in milliseconds.
 
 `FakeEngine` follows `agentjax.engine.Engine`'s interface: each step emits one token per live
-request (the prompt's characters, echoed), holds two pages per live request, and can be paused
-with `gate` or made to fail with `fail_next_step`.
+request (the prompt's characters, echoed; a parallel sample `fork_of` another starts `index`
+characters later), holds two pages per live request, and can be paused with `gate` or made to fail
+with `fail_next_step`. Asked for log probabilities, it reports token t at position i as
+`-(i + 1) / 8`, with alternatives t + 1, t + 2, ... each 1 lower; prompt token i as `-i / 4`.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from agentjax.errors import InvalidRequestError, PromptTooLongError
+from agentjax.logprobs import TokenLogprobs
 from agentjax.scheduler.request import EngineOutput
 
 EOS = 0
@@ -37,6 +40,7 @@ class _Live:
     prompt: list[int]
     sampling: object
     generated: list[int] = field(default_factory=list)
+    offset: int = 0  # a parallel sample's start in the echo
 
 
 class FakeEngine:
@@ -52,13 +56,18 @@ class FakeEngine:
         self.fail_next_step = False
 
     def add_request(self, prompt, sampling, request_id=None, *, session_id=None, priority=0, hints=None,
-                    cache_salt=None, pin_prefixes=()):
+                    cache_salt=None, pin_prefixes=(), fork_of=None):
         if len(prompt) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len}")
         if any(t >= 0x110000 for t in prompt):
             raise InvalidRequestError("token id outside the vocabulary")
+        if any(t >= 0x110000 for t in (sampling.logit_bias or ())):
+            raise InvalidRequestError("logit_bias names a token id outside the vocabulary")
         self.calls.append(("add", request_id, session_id, priority, hints, cache_salt, list(pin_prefixes)))
-        self.live[request_id] = _Live(list(prompt), sampling)
+        if fork_of is not None:
+            self.calls.append(("fork", request_id, fork_of, sampling.seed))
+        offset = sum(1 for c in self.calls if c[0] == "fork" and c[2] == fork_of) if fork_of else 0
+        self.live[request_id] = _Live(list(prompt), sampling, offset=offset)
         return request_id
 
     def abort(self, request_id):
@@ -80,7 +89,7 @@ class FakeEngine:
         outputs = []
         for request_id, live in list(self.live.items()):
             index = len(live.generated)
-            token = live.prompt[index % len(live.prompt)]
+            token = live.prompt[(index + live.offset) % len(live.prompt)]
             live.generated.append(token)
             done = len(live.generated) >= live.sampling.max_tokens
             text = "".join(chr(t - 1) for t in live.generated)
@@ -88,10 +97,24 @@ class FakeEngine:
             if done or stopped:
                 del self.live[request_id]
             outputs.append(EngineOutput(request_id, [token], done or stopped, "stop" if stopped else
-                                        ("length" if done else None), 0, len(live.prompt)))
+                                        ("length" if done else None), 0, len(live.prompt),
+                                        *_logprobs(live, token, index)))
         return outputs
 
     def stats(self) -> dict:
         used = self.pages_per_request * len(self.live)
         return {"num_running": len(self.live), "num_waiting": 0, "kv_total_blocks": 100,
                 "kv_free_blocks": 100 - used, "kv_used_blocks": used, "kv_usage": used / 100}
+
+
+def _logprobs(live: _Live, token: int, index: int) -> tuple:
+    k, prompt_k = live.sampling.logprobs, live.sampling.prompt_logprobs
+    value = -(index + 1) / 8
+    entry = None if k is None else [TokenLogprobs(token, value, 1, tuple(token + i for i in range(k)),
+                                                  tuple(value - i for i in range(k)))]
+    prompt = None
+    if prompt_k is not None and index == 0 and live.offset == 0:
+        prompt = [None] + [TokenLogprobs(t, -i / 4, 1, tuple(t + j for j in range(prompt_k)),
+                                         tuple(-i / 4 - j for j in range(prompt_k)))
+                           for i, t in enumerate(live.prompt) if i]
+    return entry, prompt

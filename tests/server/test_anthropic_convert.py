@@ -97,3 +97,31 @@ def test_a_system_mark_covers_the_system_message_and_a_top_level_mark_the_whole_
     (system, everything), _, prompt = pinned_texts(smollm2, body)
     assert system.endswith("<|im_start|>system\nYou are terse.")
     assert everything.endswith("user\nBonjour?<|im_end|>\n") and prompt == everything + "<|im_start|>assistant\n"
+
+
+def test_system_turns_inside_messages_stay_where_they_stand_as_claude_code_sends_them():
+    body = request(system="Base.", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Create hello.py"}]},
+        {"role": "system", "content": [{"type": "text", "text": "Env: linux", "cache_control": EPHEMERAL},
+                                       {"type": "text", "text": "cwd: /tmp"}]},
+        {"role": "assistant", "content": "Done."},
+        {"role": "system", "content": "Reminder."}],
+        thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "high"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]})
+    assert chat_input_of(body).messages == [
+        {"role": "system", "content": "Base."}, {"role": "user", "content": "Create hello.py"},
+        {"role": "system", "content": "Env: linux\ncwd: /tmp"}, {"role": "assistant", "content": "Done."},
+        {"role": "system", "content": "Reminder."}]
+
+
+def test_a_system_turn_renders_through_the_real_template_and_its_mark_pins_a_prefix(smollm2):
+    tokenizer, path = smollm2
+    body = request(messages=[{"role": "user", "content": "Create hello.py"},
+                             {"role": "system", "content": [{"type": "text", "text": "Env: linux",
+                                                             "cache_control": EPHEMERAL}]}])
+    chat = chat_input_of(body)
+    prompt = path.prompt_ids(chat)
+    text = tokenizer.decode(prompt, skip_special_tokens=False)
+    assert text.index("<|im_start|>user\nCreate hello.py") < text.index("<|im_start|>system\nEnv: linux")
+    [(covered, ttl)] = pin_prefixes(path, body, chat, prompt)
+    assert 0 < covered < len(prompt) and ttl == 300.0

@@ -66,7 +66,15 @@ BAD = {
         "5 blocks carry cache_control; at most 4"),
     "bad cache ttl": ({**HELLO, "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral",
                                                                                          "ttl": "2d"}}]}, "ttl"),
-    "prompt too long": ({**HELLO, "messages": [{"role": "user", "content": "x" * 300}]}, "context"),
+    "prompt too long": ({**HELLO, "messages": [{"role": "user", "content": "x" * 300}]},
+                        "prompt is too long: 317 tokens > 255 maximum"),
+    # Anthropic's words, which Claude Code reads to retry with a budget that fits.
+    "max_tokens over the context left": ({**HELLO, "max_tokens": 100, "messages": [
+        {"role": "user", "content": "x" * 200}]},
+        "input length and `max_tokens` exceed context limit: 217 + 100 > 256, decrease input length or "
+        "`max_tokens` and try again"),
+    "a system turn with a tool_use block": ({**HELLO, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "system", "content": [TOOL_USE["content"][0]]}]}, "a system turn holds text blocks only"),
 }
 
 

@@ -179,3 +179,22 @@ def test_metrics_expose_agentjax_names_and_count_tokens(client):
 def test_unknown_route_and_wrong_method_get_openai_errors(client):
     assert_error(client.get("/v1/nothing"), 404, "Not Found")
     assert_error(client.get("/v1/chat/completions"), 405, "Method Not Allowed")
+
+
+def test_each_request_gets_one_access_log_line_with_its_status_and_token_counts(client, caplog):
+    with caplog.at_level("INFO", logger="agentjax.server.access"):
+        client.post("/v1/chat/completions", json=CHAT)
+        client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-9"})
+        with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True}) as r:
+            list(r.iter_lines())
+    lines = [record.getMessage() for record in caplog.records if record.name == "agentjax.server.access"]
+    assert len(lines) == 3
+    assert lines[0].startswith("POST /v1/chat/completions 200 ") and "completion_tokens=4 finish_reason=length" in lines[0]
+    assert "prompt_tokens=22 cached_tokens=0" in lines[0]
+    assert lines[1].startswith("POST /v1/chat/completions 404 ") and "tokens" not in lines[1]
+    assert lines[2].startswith("POST /v1/completions 200 ") and "prompt_tokens=3 cached_tokens=0 completion_tokens=3" in lines[2]
+
+
+def test_health_and_metrics_answer_head_probes(client):
+    assert client.head("/metrics").status_code == 200
+    assert client.head("/health").status_code == 200

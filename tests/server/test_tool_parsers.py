@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentjax.server.tool_parsers import HermesToolParser, JsonToolParser, TextPiece, ToolCall
+from agentjax.server.tool_parsers import (
+    HermesToolParser,
+    JsonToolParser,
+    TextPiece,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStart,
+)
 from checkpoints.tool_prompt import fold_tools, render_tool_call
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -23,8 +30,27 @@ def parse(parser_class, text: str, cuts: list[int]) -> tuple[str, list[tuple[str
         pieces += parser.feed(text[start:cut], False)
         start = cut
     pieces += parser.feed(text[start:], True)
+    check_streamed_calls(pieces)
     text_out = "".join(p.text for p in pieces if isinstance(p, TextPiece))
     return text_out, [(p.name, p.arguments) for p in pieces if isinstance(p, ToolCall)]
+
+
+def check_streamed_calls(pieces) -> None:
+    """A started call's fragments join to its final arguments, and it ends before the next starts."""
+    started, fragments = None, []
+    for piece in pieces:
+        if isinstance(piece, ToolCallStart):
+            assert started is None
+            started, fragments = piece, []
+        elif isinstance(piece, ToolCallArguments):
+            assert started is not None and piece.text
+            fragments.append(piece.text)
+        elif isinstance(piece, ToolCall) and started is not None:
+            assert (piece.id, piece.name, piece.arguments) == (started.id, started.name, "".join(fragments))
+            started = None
+        else:
+            assert started is None, "text arrived inside a streamed call"
+    assert started is None
 
 
 HERMES_CASES = [
@@ -35,8 +61,15 @@ HERMES_CASES = [
      '<tool_call>\n{"name": "search", "arguments": "{\\"q\\": 1}"}\n</tool_call>',
      "", [("get_weather", '{"city": "A"}'), ("search", '{"q": 1}')]),
     # Unreadable calls come back as text: bad JSON, an unknown tool, arguments that are no object.
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
-     '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', []),
+    ('<tool_call>{"name": "get_weather" "arguments": {"city": "A"}}</tool_call>',
+     '<tool_call>{"name": "get_weather" "arguments": {"city": "A"}}</tool_call>', []),
+    # ... but a known function's call streams from its arguments' first brace: if they break off,
+    # the call ends with the arguments as written.
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', "",
+     [("get_weather", '{"city": ')]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "", [("get_weather", '{"city": "Pa')]),
+    ('<tool_call>{"name": "search", "arguments": {"q": "a</tool_call>b"}}</tool_call>', 'b"}}</tool_call>',
+     [("search", '{"q": "a')]),
     ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> done',
      '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call> done', []),
     ('<tool_call>{"name": "search", "arguments": [1]}</tool_call>',
@@ -72,6 +105,24 @@ def test_hermes_parser_gives_the_same_result_whatever_the_chunking(case, cuts):
 @pytest.mark.parametrize("cuts", [[], [1, 5, 9, 30]])
 def test_json_parser_reads_a_whole_reply_of_calls_or_returns_text(text, expected_text, expected_calls, cuts):
     assert parse(JsonToolParser, text, cuts) == (expected_text, expected_calls)
+
+
+def test_hermes_calls_stream_their_arguments_before_the_call_is_complete():
+    parser = HermesToolParser(TOOLS)
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "note": "a}b\\"c"}}\n</tool_call>'
+    pieces = []
+    for char in text:
+        pieces.append(parser.feed(char, False))
+    pieces.append(parser.feed("", True))
+    flat = [p for step in pieces for p in step]
+    check_streamed_calls(flat)
+    first_fragment = next(i for i, step in enumerate(pieces) if any(isinstance(p, ToolCallArguments) for p in step))
+    start = next(i for i, step in enumerate(pieces) if any(isinstance(p, ToolCallStart) for p in step))
+    done = next(i for i, step in enumerate(pieces) if any(isinstance(p, ToolCall) for p in step))
+    assert start == first_fragment == text.index('"arguments": {') + len('"arguments": ')
+    assert done == len(text) - 1  # the call is complete at its closing tag
+    assert flat[-1].arguments == '{"city": "Paris", "note": "a}b\\"c"}'
+    json.loads(flat[-1].arguments)
 
 
 def test_fold_tools_writes_tools_calls_and_results_into_plain_messages():
@@ -132,7 +183,7 @@ def test_constraints_accept_a_call_of_the_named_tool_and_reject_others(grammar, 
             return render_tool_call(call["name"], call["arguments"])
         return json.dumps([call] if parallel else call)
 
-    constraint = parser_class.constraint(functions, parallel)
+    constraint = parser_class.constraint(functions, 3 if parallel else 1)
     for call, allowed in ((good, True), (wrong_tool, False), (bad_args, False)):
         matcher = backend.new_matcher(constraint)
         tokens = tokenizer.encode(written(call), add_special_tokens=False)
@@ -141,3 +192,21 @@ def test_constraints_accept_a_call_of_the_named_tool_and_reject_others(grammar, 
         text, calls = parse(parser_class, written(call), [])
         if allowed:
             assert calls == [("get_weather", '{"city": "Rome"}')] and text == ""
+
+
+@pytest.mark.parametrize("parser_class", [HermesToolParser, JsonToolParser])
+def test_a_parallel_constraint_admits_up_to_its_number_of_calls_and_can_end_after_any(grammar, parser_class):
+    backend, tokenizer = grammar
+    call = {"name": "get_weather", "arguments": {"city": "Rome"}}
+
+    def written(count: int) -> str:
+        if parser_class is HermesToolParser:
+            return "\n".join(render_tool_call(call["name"], call["arguments"]) for _ in range(count))
+        return json.dumps([call] * count)
+
+    constraint = parser_class.constraint([TOOLS[0]["function"]], 3)
+    for count in (1, 2, 3, 4):
+        matcher = backend.new_matcher(constraint)
+        tokens = tokenizer.encode(written(count), add_special_tokens=False)
+        consumed = matcher.try_consume_tokens(tokens)
+        assert (consumed == len(tokens) and matcher.is_accepting()) == (count <= 3), count

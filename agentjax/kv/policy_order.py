@@ -1,0 +1,112 @@
+"""The bridge from a KV policy (`agentjax.kv.policy`) to the block pool's `EvictionOrder` protocol.
+
+`PolicyEvictionOrder(policy)` is what `KVCacheManager(..., eviction_order=...)` takes: it reports
+frees and evictions to the policy, asks it which cached free pages to take, keeps the undo record
+of an admission, and passes the manager's pins through. Host only: never imports jax.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+from agentjax.errors import OutOfPagesError
+from agentjax.kv.policy import PagePolicy
+
+__all__ = ["PolicyEvictionOrder", "engine_eviction_order"]
+
+
+def engine_eviction_order(kv_policy: str, clock: Callable[[], float] = time.monotonic) -> "PolicyEvictionOrder":
+    """The eviction order of an engine whose `kv_policy` setting is `kv_policy` (see `engine_policy`)."""
+    from agentjax.kv.policies import engine_policy
+
+    return PolicyEvictionOrder(engine_policy(kv_policy, clock))
+
+
+class PolicyEvictionOrder:
+    """An `EvictionOrder` (agentjax.kv.eviction) that asks a `KVPolicy` which free pages to take.
+
+    Free pages that hold no cached block go first (nothing is lost); the policy orders the cached
+    ones. Each allocation scans the free pages once in numpy (O(free pages), no per-page Python).
+    The manager's `pin_request` / `pin_prefix` / `unpin` reach the policy's pins through `pin`.
+    """
+
+    def __init__(self, policy: PagePolicy):
+        self.policy = policy
+        self.clock = policy.clock
+        self._ref_counts = np.zeros(0, dtype=np.int32)
+        self._page_group: np.ndarray | None = None
+        self._pool = None
+        self._last_state = np.zeros((0, len(PagePolicy._STATE_FIELDS)), dtype=np.int64)
+
+    def bind(self, pool_ref_counts: np.ndarray) -> None:
+        self._ref_counts = pool_ref_counts
+        self.policy.bind(len(pool_ref_counts))
+
+    def bind_pool(self, pool) -> None:
+        """The pool's group per page (-1: no cached block), read to take empty pages first."""
+        self._pool = pool
+        self._page_group = pool.page_group
+
+    def evict_cached_beyond(self, max_cached: int) -> int:
+        """Evict cached free pages in the policy's order until at most `max_cached` pages hold cached
+        blocks (a cache capacity below the pool's size, the rest being room for running requests);
+        returns how many it evicted. The pages stay free, now empty, so they are reused first."""
+        pool = self._pool
+        excess = pool.num_cached - max_cached
+        if excess <= 0:
+            return 0
+        cached_free = np.flatnonzero((self._ref_counts == 0) & (self._page_group >= 0))
+        victims = self.policy.evict_order(cached_free, excess)
+        for page in victims.tolist():
+            pool.evict(page)
+        self.policy.on_evict(victims)
+        return len(victims)
+
+    def push_free(self, pages: np.ndarray) -> None:
+        if len(pages):
+            self.policy.on_free(np.asarray(pages, dtype=np.int64))
+
+    def pop_victims(self, count: int) -> np.ndarray:
+        free = np.flatnonzero(self._ref_counts == 0)
+        if len(free) < count:
+            raise OutOfPagesError(f"eviction order holds {len(free)} free pages, {count} requested")
+        if self._page_group is None:
+            victims = self.policy.evict_order(free, count)
+        else:
+            empty = self._page_group[free] < 0
+            victims = free[empty][:count]
+            if len(victims) < count:
+                victims = np.concatenate([victims, self.policy.evict_order(free[~empty], count - len(victims))])
+        victims = victims.astype(np.int32)
+        self._last_state = self.policy.page_state(victims)
+        self.policy.on_evict(victims)
+        return victims
+
+    # -- undo (a rolled-back admission) ------------------------------------------------------------
+    def positions(self, pages: np.ndarray) -> np.ndarray:
+        return self.policy.page_state(np.asarray(pages, dtype=np.int64))
+
+    def victim_positions(self) -> np.ndarray:
+        return self._last_state
+
+    def reinstate(self, pages: np.ndarray, positions: np.ndarray) -> None:
+        if len(pages):
+            self.policy.restore_page_state(np.asarray(pages, dtype=np.int64), positions)
+
+    # -- pins, as the manager calls them -----------------------------------------------------------
+    def pin(self, key: Hashable, pages, expires_at: float | None = None) -> int:
+        return self.policy.pin(key, pages, expires_at)
+
+    def unpin(self, key: Hashable) -> int:
+        return self.policy.unpin(key)
+
+    def num_pinned(self) -> tuple[int, int]:
+        self.policy._expire(self.clock())
+        pinned = self.policy.pin_count > 0
+        return int(np.count_nonzero(pinned)), int(np.count_nonzero(pinned & (self._ref_counts == 0)))
+
+    @property
+    def pinned_evictions(self) -> int:
+        return self.policy.pinned_evictions

@@ -1,0 +1,120 @@
+"""MiniMax-M3's block-sparse GQA attention layer: an indexer picks key blocks, GQA reads only those.
+
+Q/K/V as in `Attention` (per-head QK norm, then partial RoPE); the indexer's own projections give
+`index_num_heads` query heads and one key head (normed, then rotated with the same RoPE), whose
+keys live in the layer's slot of the "index" KV group. The indexer keeps, per indexer head (one
+per KV head), the top-k blocks of `block_size` positions by block-max score with the local blocks
+forced; attention then reads only those blocks. The paged work goes through `agentjax.kernels`.
+This module never touches pages directly and imports nothing from a kernel file.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flax import nnx
+from jaxtyping import Array, Float
+
+from agentjax import kernels
+from agentjax.config import ModelConfig
+from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+
+if TYPE_CHECKING:
+    from agentjax.ragged_batch import RaggedBatch
+
+
+class BlockSparseAttention(nnx.Module):
+    """One block-sparse layer. Its settings come from `cfg` alone (equal for every sparse layer), so
+    `layer` may also name a layer outside the stack (an MTP module's)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, kv_groups: dict[str, int], *, rngs: nnx.Rngs):
+        del layer  # every block-sparse layer is alike
+        sparse = cfg.block_sparse
+        hidden, dim = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(hidden, cfg.num_heads * dim, dtype=cfg.dtype, rngs=rngs)
+        self.k_proj = Linear(hidden, cfg.num_kv_heads * dim, dtype=cfg.dtype, rngs=rngs)
+        self.v_proj = Linear(hidden, cfg.num_kv_heads * dim, dtype=cfg.dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * dim, hidden, dtype=cfg.dtype, rngs=rngs)
+        if cfg.use_qk_norm:
+            self.q_norm = RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+            self.k_norm = RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+        index_dim = sparse.index_head_dim
+        self.index_q_proj = Linear(hidden, sparse.index_num_heads * index_dim, dtype=cfg.dtype, rngs=rngs)
+        self.index_k_proj = Linear(hidden, index_dim, dtype=cfg.dtype, rngs=rngs)
+        self.index_q_norm = RMSNorm(index_dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+        self.index_k_norm = RMSNorm(index_dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+        self.use_qk_norm = cfg.use_qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, dim
+        self.index_num_heads, self.index_head_dim = sparse.index_num_heads, index_dim
+        self.block_size, self.topk_blocks = sparse.block_size, sparse.topk_blocks
+        self.local_blocks = sparse.local_blocks
+        self.rope_dim, self.rope_theta, self.rope_scaling = cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling
+        self.sm_scale = cfg.query_scale
+        self.impl = cfg.attention_impl
+        self.kv_group, self.index_group = kv_groups["kv"], kv_groups["index"]
+
+    def project(self, x: Float[Array, "tokens hidden"], batch: RaggedBatch, numerics: str):
+        """Q, K, V `[tokens, heads, dim]` and the indexer's queries `[tokens, index_heads, index_dim]`
+        and keys `[tokens, index_dim]`, normed and rotated."""
+        tokens = x.shape[0]
+        q = self.q_proj(x, numerics).reshape(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q, numerics), self.k_norm(k, numerics)
+        index_q = self.index_q_proj(x, numerics).reshape(tokens, self.index_num_heads, self.index_head_dim)
+        index_q = self.index_q_norm(index_q, numerics)
+        index_k = self.index_k_norm(self.index_k_proj(x, numerics), numerics)[:, None, :]
+        inv_freq = rope_inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling)
+        positions = batch.positions
+        return (apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v,
+                apply_rope(index_q, positions, inv_freq), apply_rope(index_k, positions, inv_freq)[:, 0])
+
+    def __call__(
+        self,
+        x: Float[Array, "tokens hidden"],
+        kv: tuple,
+        batch: RaggedBatch,
+        numerics: str,
+        slots: dict[str, Array],
+    ) -> tuple[Float[Array, "tokens hidden"], tuple]:
+        tokens = x.shape[0]
+        q, k, v, index_q, index_k = self.project(x, batch, numerics)
+        invariant = numerics == "batch_invariant"
+        group = self.index_group
+        selected, index_pages = kernels.index_select_blocks(
+            index_q,
+            index_k,
+            kv[group],
+            batch.page_indices[group],
+            slot=slots["index"],
+            token_seq_ids=batch.seq_ids,
+            token_positions=batch.positions,
+            slot_mapping=batch.slot_mapping[group],
+            block_size=self.block_size,
+            topk_blocks=self.topk_blocks,
+            local_blocks=self.local_blocks,
+            kv_lens=batch.kv_lens,
+            cu_q_lens=batch.cu_q_lens,
+            batch_invariant=invariant,
+            impl=self.impl,
+        )
+        kv = kv[:group] + (index_pages,) + kv[group + 1:]
+        group = self.kv_group
+        out, pages = kernels.block_sparse_attention(
+            q,
+            k,
+            v,
+            kv[group],
+            batch.page_indices[group],
+            selected,
+            slot=slots["kv"],
+            token_seq_ids=batch.seq_ids,
+            token_positions=batch.positions,
+            slot_mapping=batch.slot_mapping[group],
+            sm_scale=self.sm_scale,
+            block_size=self.block_size,
+            batch_invariant=invariant,
+            impl=self.impl,
+        )
+        kv = kv[:group] + (pages,) + kv[group + 1:]
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), kv

@@ -1,0 +1,210 @@
+"""The ragged batch: the int32 metadata pytree that one jitted step reads.
+
+Built on the host with numpy and padded to shape buckets, so steady state never recompiles.
+Each sequence row contributes its new tokens (a prefill chunk or one decode token); the device
+sees flat token arrays plus per-sequence offsets, KV lengths and one page table per KV group.
+A neutral type: the models, the runner and the kernels read it; it imports none of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from agentjax.errors import InvalidRequestError
+
+# Few buckets: each (tokens, rows, pages) shape is one compilation of the whole model (seconds
+# on a CPU). Small rows and tokens share one bucket; padding a decode batch of 1 row to 8 costs
+# little next to the weights every row reads.
+TOKEN_BUCKETS = (8, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SEQ_BUCKETS = (8, 16, 32, 64, 128, 256)
+PAGE_BUCKETS = (8, 32, 128, 512, 2048, 8192, 32768, 131072)
+
+
+def bucket(value: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds `value`, or the next power of two above the largest."""
+    for size in buckets:
+        if value <= size:
+            return size
+    size = buckets[-1]
+    while size < value:
+        size *= 2
+    return size
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Metadata of one step. T = padded token count, B = padded sequences, P = pages per row."""
+
+    token_ids: np.ndarray  # [T] input token of each position
+    positions: np.ndarray  # [T] position of each token in its sequence
+    seq_ids: np.ndarray  # [T] row of each token (padding tokens: row B-1 or any, writes go to page 0)
+    slot_mapping: tuple[np.ndarray, ...]  # per KV group, [T]: page * page_size + offset of its entry
+    cu_q_lens: np.ndarray  # [B+1] start offset of each row's tokens
+    kv_lens: np.ndarray  # [B] KV length of each row after this step
+    page_indices: tuple[np.ndarray, ...]  # per KV group, [B, P_g]: page table of each row, 0-padded
+    # [S] flat index of each sampled token: each row's last token ([B], S = B), or with speculative
+    # decoding each row's last `sample_counts[row]` tokens, row after row (S a bucket of their sum)
+    logits_indices: np.ndarray
+    # [S] index of each sampled token among its row's samples (0 = the row's first; a decode row's real
+    # token), -1 for padding samples
+    sample_offsets: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.kv_lens.shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        """S: the (padded) token positions whose logits the step samples."""
+        return int(self.logits_indices.shape[0])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.page_indices)
+
+    def shape_key(self) -> tuple[int, int, tuple[int, ...]]:
+        """(T, B, pages per row of each group): the compiled shape this batch needs."""
+        return self.num_tokens, self.num_seqs, tuple(int(table.shape[1]) for table in self.page_indices)
+
+    @staticmethod
+    def build(
+        rows: Sequence[tuple[Sequence[int], int, Sequence]],
+        page_size: int,
+        *,
+        state_groups: Sequence[int] = (),
+        token_buckets: Sequence[int] = TOKEN_BUCKETS,
+        seq_buckets: Sequence[int] = SEQ_BUCKETS,
+        page_buckets: Sequence[int] = PAGE_BUCKETS,
+        sample_counts: Sequence[int] | None = None,
+    ) -> "RaggedBatch":
+        """A padded batch from rows of `(new_token_ids, num_computed_tokens, page_tables)`.
+
+        `sample_counts` (speculative decoding) gives per row how many of its last tokens get logits (a
+        decode row's real token and its draft tokens); by default one, the last.
+
+        `num_computed_tokens` is how many of the row's tokens already sit in its pages; the new
+        tokens take the positions after them. `page_tables` holds one page list per KV group (a
+        plain list of ints is one group); each must cover every new token, except the groups in
+        `state_groups`, whose table is the one page holding the row's recurrent state.
+        """
+        if not rows:
+            raise InvalidRequestError("a batch needs at least one row")
+        num_tokens = sum(len(r[0]) for r in rows)
+        if any(len(r[0]) == 0 for r in rows):
+            raise InvalidRequestError("every batch row needs at least one new token")
+        tables_per_row = [_group_tables(r[2]) for r in rows]
+        num_groups = len(tables_per_row[0])
+        if any(len(tables) != num_groups for tables in tables_per_row):
+            raise InvalidRequestError("every batch row needs a page table for each KV group")
+        padded_tokens = bucket(num_tokens, token_buckets)
+        padded_seqs = bucket(len(rows), seq_buckets)
+
+        token_ids = np.zeros(padded_tokens, np.int32)
+        positions = np.zeros(padded_tokens, np.int32)
+        seq_ids = np.full(padded_tokens, padded_seqs - 1, np.int32)
+        # Padding tokens write into the null page; their slot index stays inside it.
+        slot_mapping = [np.arange(padded_tokens, dtype=np.int32) % page_size for _ in range(num_groups)]
+        cu_q_lens = np.full(padded_seqs + 1, num_tokens, np.int32)
+        kv_lens = np.zeros(padded_seqs, np.int32)
+        page_indices = [
+            np.zeros((padded_seqs, bucket(max(1, max(len(t[g]) for t in tables_per_row)), page_buckets)), np.int32)
+            for g in range(num_groups)
+        ]
+        if sample_counts is not None and len(sample_counts) != len(rows):
+            raise InvalidRequestError(f"sample_counts has {len(sample_counts)} entries for {len(rows)} rows")
+        if sample_counts is None or all(c == 1 for c in sample_counts):
+            sample_counts = None
+            logits_indices = np.zeros(padded_seqs, np.int32)
+        else:
+            if any(not 1 <= c <= len(r[0]) for c, r in zip(sample_counts, rows)):
+                raise InvalidRequestError("each row samples between 1 and all of its new tokens")
+            logits_indices = np.zeros(bucket(max(sum(sample_counts), padded_seqs), seq_buckets), np.int32)
+        sample_offsets = np.full(len(logits_indices), -1, np.int32)
+        sampled = 0
+        token_groups = [g for g in range(num_groups) if g not in state_groups]
+
+        start = 0
+        for row, ((new_tokens, num_computed, _), tables) in enumerate(zip(rows, tables_per_row)):
+            count = len(new_tokens)
+            end_pos = num_computed + count
+            pos = np.arange(num_computed, end_pos, dtype=np.int32)
+            needed_pages = -(-end_pos // page_size)
+            for g in token_groups:
+                if len(tables[g]) < needed_pages:
+                    raise InvalidRequestError(
+                        f"row {row} needs {needed_pages} pages for {end_pos} tokens, "
+                        f"its page table for KV group {g} has {len(tables[g])}"
+                    )
+                table = np.asarray(tables[g], np.int32)
+                slot_mapping[g][start : start + count] = table[pos // page_size] * page_size + pos % page_size
+            for g in range(num_groups):
+                page_indices[g][row, : len(tables[g])] = tables[g]
+            token_ids[start : start + count] = new_tokens
+            positions[start : start + count] = pos
+            seq_ids[start : start + count] = row
+            cu_q_lens[row] = start
+            kv_lens[row] = end_pos
+            if sample_counts is None:
+                logits_indices[row] = start + count - 1
+                sample_offsets[row] = 0
+            else:
+                samples = sample_counts[row]
+                logits_indices[sampled : sampled + samples] = np.arange(start + count - samples, start + count)
+                sample_offsets[sampled : sampled + samples] = np.arange(samples)
+                sampled += samples
+            start += count
+        return RaggedBatch(
+            token_ids=token_ids,
+            positions=positions,
+            seq_ids=seq_ids,
+            slot_mapping=tuple(slot_mapping),
+            cu_q_lens=cu_q_lens,
+            kv_lens=kv_lens,
+            page_indices=tuple(page_indices),
+            logits_indices=logits_indices,
+            sample_offsets=sample_offsets,
+        )
+
+    def for_groups(self, num_groups: int) -> "RaggedBatch":
+        """This batch with its one page table shared by `num_groups` KV groups (notebooks: every
+        group's buffer spans all page ids, so one table can serve them all; a recurrent-state group
+        keeps its state in the row's first page)."""
+        if self.num_groups == num_groups:
+            return self
+        if self.num_groups != 1:
+            raise InvalidRequestError(f"the batch has {self.num_groups} page tables, the model {num_groups} KV groups")
+        return self.replace(page_indices=self.page_indices * num_groups, slot_mapping=self.slot_mapping * num_groups)
+
+    @staticmethod
+    def from_prompts(prompts: Sequence[Sequence[int]], page_size: int, first_page: int = 1) -> "RaggedBatch":
+        """A prefill batch for fresh prompts, with pages handed out in order from `first_page`,
+        one page table per row (the step shares it among the model's KV groups).
+
+        For notebooks: `kv_pages` must have at least `first_page + total pages` pages.
+        """
+        rows = []
+        next_page = first_page
+        for prompt in prompts:
+            num_pages = -(-len(prompt) // page_size)
+            rows.append((list(prompt), 0, list(range(next_page, next_page + num_pages))))
+            next_page += num_pages
+        return RaggedBatch.build(rows, page_size)
+
+    def replace(self, **changes) -> "RaggedBatch":
+        return dataclasses.replace(self, **changes)
+
+
+def _group_tables(page_tables: Sequence) -> list[Sequence[int]]:
+    """A row's tables, one per group: a flat list of page ids is the table of a single group."""
+    if len(page_tables) and not isinstance(page_tables[0], (int, np.integer)):
+        return list(page_tables)
+    return [page_tables]

@@ -1,0 +1,237 @@
+"""Draft proposers that run on the device, inside the target's jitted step (speculative decoding's
+"mtp" and "draft_model" methods).
+
+A step verifies the drafts a decode row carries (the target samples at every draft position) and then
+proposes the row's next drafts from the last accepted position, so the next step can verify them:
+
+  * `MTPDrafter`: the model's MTP module reads every token's hidden state (or residual streams) with the
+    embedding of the token after it (the known next token, or the one the step sampled), writing its own
+    KV (slots of its layer in the model's KV groups); draft 1 comes from the last accepted position, and
+    drafts 2..k chain the module on its own output, one token per row, as vLLM does (module `j % n`).
+  * `DraftModelDrafter`: a separate small model with its own KV groups (after the target's in the one
+    KV manager) runs over the step's tokens, then k more one-token passes from the bonus token. With a
+    temperature its drafts are drawn from its distribution q, and the verifying step accepts a draft
+    with probability min(1, p/q) or draws from the residual max(0, p - q) (`rejection_sample`). q is
+    the draft model's own pass over the drafts in that step (in batch-invariant numerics bit-equal to
+    the distribution the draft was drawn from). Greedy rows keep the exact argmax rule.
+
+Chained positions write KV only where the row's page table has a page (else the null page); the host
+keeps only drafts whose chain stayed on the row's pages (`Speculator`). Keys are the request's seed
+folded with the token's output index and a purpose tag, so seeded requests are reproducible.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from agentjax.config import ModelConfig
+from agentjax.models.params import split_model
+from agentjax.ragged_batch import RaggedBatch
+from agentjax.runner.sampler import SamplingMetadata, _filter_top_k_top_p
+
+@functools.lru_cache(maxsize=16)
+def graph_of(cfg: ModelConfig) -> nnx.GraphDef:
+    return split_model(cfg)[0]
+
+
+# Purpose tags folded into a request's per-token key (tag 0, the plain key, draws the target's token).
+ACCEPT_TAG, RESIDUAL_TAG, DRAFT_TAG = 1, 2, 3
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SpecInputs:
+    """What a drafting step needs beyond the batch (host-built, padded like it)."""
+
+    next_token_ids: np.ndarray  # [T] the token after each token when the host knows it, else -1 (sampled)
+    draft_ids: np.ndarray  # [S] the draft that follows each sampled position (-1: the row's last sample)
+    row_first_sample: np.ndarray  # [B] index of each row's first sample; S for padding rows
+
+    @staticmethod
+    def build(batch: RaggedBatch, rows, next_tokens) -> "SpecInputs":
+        """From the batch and its rows; `next_tokens[row]` is the known token after the row's last one, or
+        -1 (the row's last token is sampled and kept: a decode row, or a prompt's last chunk)."""
+        next_ids = np.full(batch.num_tokens, -1, np.int32)
+        first = np.full(batch.num_seqs, batch.num_samples, np.int32)
+        offsets = batch.sample_offsets
+        starts = np.flatnonzero(offsets == 0)
+        first[: len(starts)] = starts
+        counts = np.diff(np.append(starts, np.sum(offsets >= 0)))
+        for row, ((tokens, _, _), known) in enumerate(zip(rows, next_tokens)):
+            if counts[row] > 1:  # a drafting row: every position reads the token sampled there
+                continue
+            start, count = int(batch.cu_q_lens[row]), len(tokens)
+            next_ids[start : start + count - 1] = tokens[1:]
+            next_ids[start + count - 1] = known
+        draft_ids = np.full(batch.num_samples, -1, np.int32)
+        following = np.flatnonzero(offsets[1:] > 0)  # sample s+1 continues sample s's row
+        draft_ids[following] = batch.token_ids[batch.logits_indices[following + 1]]
+        return SpecInputs(next_ids, draft_ids, first)
+
+
+def target_part(batch: RaggedBatch, num_groups: int, draft: bool = False) -> RaggedBatch:
+    """The batch with the page tables of the target's first `num_groups` groups (or the rest: a draft's)."""
+    part = slice(num_groups, None) if draft else slice(0, num_groups)
+    return batch.replace(page_indices=batch.page_indices[part], slot_mapping=batch.slot_mapping[part])
+
+
+def accepted_counts(batch: RaggedBatch, spec: SpecInputs, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(accepted drafts [B], index of the sample at the last accepted position [B])`: a row's drafts
+    stand while each equals the token sampled at the position before it (the host applies the same rule)."""
+    num_rows, num_samples = batch.num_seqs, batch.num_samples
+    offsets = batch.sample_offsets
+    rows = jnp.where(offsets >= 0, batch.seq_ids[batch.logits_indices], num_rows)
+    stop = (spec.draft_ids != tokens) | (spec.draft_ids < 0)
+    first_stop = jax.ops.segment_min(jnp.where(stop & (offsets >= 0), offsets, num_samples), rows,
+                                     num_segments=num_rows + 1)[:num_rows]
+    accepted = jnp.where(spec.row_first_sample < num_samples, first_stop, 0)
+    return accepted, jnp.minimum(spec.row_first_sample + accepted, num_samples - 1)
+
+
+def chain_batch(batch: RaggedBatch, positions: jax.Array, token_ids: jax.Array, active: jax.Array,
+                page_size: int) -> RaggedBatch:
+    """One token per row at `positions`, over the rows' page tables; a position past a row's pages (or an
+    inactive row) writes into the null page."""
+    rows = jnp.arange(batch.num_seqs, dtype=jnp.int32)
+    positions = jnp.where(active, positions, 0).astype(jnp.int32)
+    slots = []
+    for table in batch.page_indices:
+        index = positions // page_size
+        page = jnp.take_along_axis(table, jnp.clip(index, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
+        page = jnp.where(active & (index < table.shape[1]), page, 0)
+        slots.append(page * page_size + positions % page_size)
+    return RaggedBatch(token_ids=token_ids.astype(jnp.int32), positions=positions, seq_ids=rows,
+                       slot_mapping=tuple(slots), cu_q_lens=jnp.arange(batch.num_seqs + 1, dtype=jnp.int32),
+                       kv_lens=positions + 1, page_indices=batch.page_indices, logits_indices=rows,
+                       sample_offsets=jnp.zeros_like(rows))
+
+
+def _keys(meta: SamplingMetadata, counts: jax.Array, tag: int) -> jax.Array:
+    return jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), count), tag)
+                    )(meta.seeds, counts)
+
+
+def _processed(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Logits scaled by each row's temperature and cut by its top-k/top-p (as the target's sampler does)."""
+    return jax.vmap(lambda row, t, k, p: _filter_top_k_top_p(row / jnp.maximum(t, 1e-6), k, p)
+                    )(logits.astype(jnp.float32), meta.temperature, meta.top_k, meta.top_p)
+
+
+def rejection_sample(target: jax.Array, draft: jax.Array, draft_ids: jax.Array, tokens: jax.Array,
+                     meta: SamplingMetadata) -> jax.Array:
+    """Each sampled position's token under rejection sampling: where a draft drawn from q (the draft
+    model's processed logits `draft`) follows and the row samples, keep it with probability min(1, p/q)
+    (p from the target's processed logits `target`), else draw from max(0, p - q) normalised; elsewhere
+    (greedy rows, a row's last sample) the plain `tokens`."""
+    p, q = jax.nn.softmax(target, axis=-1), jax.nn.softmax(draft, axis=-1)
+    draft_token = jnp.maximum(draft_ids, 0)[:, None]
+    p_draft = jnp.take_along_axis(p, draft_token, axis=1)[:, 0]
+    q_draft = jnp.take_along_axis(q, draft_token, axis=1)[:, 0]
+    uniform = jax.vmap(jax.random.uniform)(_keys(meta, meta.num_generated, ACCEPT_TAG))
+    keep = uniform * q_draft < p_draft
+    residual = jnp.maximum(p - q, 0.0)
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p)
+    redrawn = jax.vmap(jax.random.categorical)(_keys(meta, meta.num_generated, RESIDUAL_TAG), jnp.log(residual))
+    chosen = jnp.where(keep, draft_ids, redrawn.astype(jnp.int32))
+    return jnp.where((draft_ids >= 0) & (meta.temperature > 0), chosen, tokens)
+
+
+@dataclass(frozen=True)
+class MTPDrafter:
+    """Drafts from the model's MTP modules (`cfg.mtp_kv_cache` set); see the module docstring."""
+
+    cfg: ModelConfig
+    num_speculative_tokens: int
+    numerics: str
+    page_size: int
+
+    def _model(self, params):
+        return nnx.merge(graph_of(self.cfg), params)
+
+    def forward(self, params, kv_pages, batch: RaggedBatch):
+        return self._model(params).forward_with_mtp_input(kv_pages, batch, self.numerics)
+
+    def logits(self, params, hidden):
+        return self._model(params).logits(hidden, self.numerics)
+
+    def finish(self, params, kv_pages, batch: RaggedBatch, sampling: SamplingMetadata, spec: SpecInputs,
+               mtp_input, processed, tokens, greedy_only: bool):
+        """`(tokens, drafts [B, k], kv_pages)`: the tokens as sampled, the next drafts from the MTP modules."""
+        del processed, greedy_only  # MTP drafts are argmax; verification keeps the plain tokens
+        model, numerics = self._model(params), self.numerics
+        valid = jnp.where(batch.sample_offsets >= 0, batch.logits_indices, batch.num_tokens)
+        sampled = jnp.zeros(batch.num_tokens, jnp.int32).at[valid].set(tokens, mode="drop")
+        next_ids = jnp.where(spec.next_token_ids >= 0, spec.next_token_ids, sampled)
+        modules = model.mtp
+        hidden, normed, kv_pages = modules[0].run(model.embed_tokens(next_ids), mtp_input, kv_pages, batch, numerics)
+        _, last = accepted_counts(batch, spec, tokens)
+        index = batch.logits_indices[last]
+        draft = jnp.argmax(model.logits(normed[index], numerics), axis=-1).astype(jnp.int32)
+        hidden, position = hidden[index], batch.positions[index]
+        active = spec.row_first_sample < batch.num_samples
+        drafts = [draft]
+        for step in range(1, self.num_speculative_tokens):
+            chain = chain_batch(batch, position + step, draft, active, self.page_size)
+            hidden, normed, kv_pages = modules[step % len(modules)].run(
+                model.embed_tokens(draft), hidden, kv_pages, chain, numerics)
+            draft = jnp.argmax(model.logits(normed, numerics), axis=-1).astype(jnp.int32)
+            drafts.append(draft)
+        return tokens, jnp.stack(drafts, axis=1), kv_pages
+
+
+@dataclass(frozen=True)
+class DraftModelDrafter:
+    """Drafts from a separate model whose KV groups follow the target's; params are `(target, draft)`."""
+
+    cfg: ModelConfig
+    draft_cfg: ModelConfig
+    num_target_groups: int
+    num_speculative_tokens: int
+    numerics: str
+    page_size: int
+
+    def _models(self, params):
+        return nnx.merge(graph_of(self.cfg), params[0]), nnx.merge(graph_of(self.draft_cfg), params[1])
+
+    def forward(self, params, kv_pages, batch: RaggedBatch):
+        """The target's hidden states, and the draft model's logits at the sampled positions (its q there),
+        each writing its own groups' KV."""
+        target, draft = self._models(params)
+        split = self.num_target_groups
+        hidden, target_kv = target(kv_pages[:split], target_part(batch, split), self.numerics)
+        draft_hidden, draft_kv = draft(kv_pages[split:], target_part(batch, split, draft=True), self.numerics)
+        draft_logits = draft.logits(jnp.take(draft_hidden, batch.logits_indices, axis=0), self.numerics)
+        return hidden, draft_logits, tuple(target_kv) + tuple(draft_kv)
+
+    def logits(self, params, hidden):
+        return self._models(params)[0].logits(hidden, self.numerics)
+
+    def finish(self, params, kv_pages, batch: RaggedBatch, sampling: SamplingMetadata, spec: SpecInputs,
+               draft_logits, processed, tokens, greedy_only: bool):
+        """`(tokens, drafts [B, k], kv_pages)`: rejection sampling where rows draw, then k draft-model steps."""
+        if not greedy_only:
+            tokens = rejection_sample(processed, _processed(draft_logits, sampling), spec.draft_ids, tokens, sampling)
+        _, draft = self._models(params)
+        split, numerics = self.num_target_groups, self.numerics
+        draft_batch = target_part(batch, split, draft=True)
+        _, last = accepted_counts(batch, spec, tokens)
+        position, token = batch.positions[batch.logits_indices[last]], tokens[last]
+        active = spec.row_first_sample < batch.num_samples
+        row_meta = jax.tree.map(lambda x: x[last], sampling)
+        draft_kv, drafts = tuple(kv_pages[split:]), []
+        for step in range(1, self.num_speculative_tokens + 1):
+            hidden, draft_kv = draft(draft_kv, chain_batch(draft_batch, position + step, token, active, self.page_size),
+                                     numerics)
+            logits = draft.logits(hidden, numerics)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            if not greedy_only:  # drawn from q, keyed by the output index the draft would take
+                keys = _keys(row_meta, row_meta.num_generated + step, DRAFT_TAG)
+                drawn = jax.vmap(jax.random.categorical)(keys, _processed(logits, row_meta)).astype(jnp.int32)
+                token = jnp.where(row_meta.temperature > 0, drawn, token)
+            drafts.append(token)
+        return tokens, jnp.stack(drafts, axis=1), tuple(kv_pages[:split]) + draft_kv

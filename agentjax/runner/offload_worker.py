@@ -1,0 +1,367 @@
+"""The worker side of the KV offload connector: it moves pages between the runner's device buffers and
+the tiers, and reports completions to the scheduler side (`agentjax.kv.offload.connector`).
+
+At each step, before the runner's copies and forward, `run` dispatches the step's `KVTransfers`:
+stores gather their pages (one jitted gather per group into `pinned_host` memory) and put them into
+the host pool (one `pinned_host` array per group) or hand them to a tier thread (disk, Mooncake);
+loads scatter host-pool pages back at once and fetch disk and Mooncake pages in those threads, to
+be scattered at a later step. Every dispatch is asynchronous: the host never waits on a copy, and
+the device orders each copy before the step that reads or overwrites its pages. A failed fetch
+leaves its page out (the request recomputes it); a failing tier is degraded, never fatal.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from agentjax.errors import CorruptCheckpointError, OffloadTierError
+from agentjax.kv.cache_layout import kv_buffer_specs
+from agentjax.kv.offload.connector import OffloadConnector
+from agentjax.kv.offload.transfers import KVTransfers, LoadJob, StoreJob
+from agentjax.kv.offload.disk import DiskFullError, DiskTier
+from agentjax.kv.groups import CheckpointGroup
+from agentjax.kv.offload.host import HostPageIndex
+from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryScore
+from agentjax.kv.offload.mooncake import MooncakeError, MooncakeTier
+from agentjax.kv.offload.tiers import OffloadStats, TierHealth, TIER_NAMES
+from agentjax.ragged_batch import bucket
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_BUCKETS = (4, 16, 64, 256, 1024, 4096, 16384)
+
+
+def _padded(values: list[int], size: int, fill: int | None = None) -> np.ndarray:
+    """`values` padded to `size` with `fill` (default: its last value, so a padded write repeats a real one)."""
+    out = np.full(size, values[-1] if fill is None else fill, dtype=np.int32)
+    out[: len(values)] = values
+    return out
+
+
+def _write_pages(buffer, values, pages):
+    """`buffer[:, pages[i]] = values[:, i]`, one page slice at a time (XLA's CPU scatter is element by
+    element; a loop of dynamic_update_slice moves whole pages, as `model_runner.copy_pages` does)."""
+
+    def write_one(i, out):
+        page = jax.lax.dynamic_slice_in_dim(values, i, 1, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(out, page, pages[i], axis=1)
+
+    return jax.lax.fori_loop(0, pages.shape[0], write_one, buffer)
+
+
+class OffloadWorker:
+    """Host page pools, the jitted page movers and one thread per remote tier."""
+
+    def __init__(self, model_cfg, page_size: int, connector: OffloadConnector, host_slots: int = 0):
+        self.connector = connector
+        self.results = connector.results
+        self.stats: OffloadStats = connector.stats
+        self.health: dict[str, TierHealth] = connector.health
+        self.disk: DiskTier | None = connector.disk
+        self.mooncake: MooncakeTier | None = connector.mooncake
+        self.specs = kv_buffer_specs(model_cfg, page_size)
+        device = jax.devices()[0]
+        self.device_sharding = SingleDeviceSharding(device, memory_kind="device")
+        self.host_sharding = SingleDeviceSharding(device, memory_kind="pinned_host")
+        self.host_pools = []
+        if host_slots:
+            for spec in self.specs:
+                shape = (spec.num_slots, host_slots, *spec.page_shape)
+                self.host_pools.append(jax.device_put(np.zeros(shape, dtype=jax.numpy.dtype(spec.dtype)),
+                                                      self.host_sharding))
+        self._gather = jax.jit(lambda buffer, pages: buffer[:, pages], out_shardings=self.host_sharding)
+        self._host_put = jax.jit(lambda pool, values, slots: pool.at[:, slots].set(values),
+                                 donate_argnums=(0,), out_shardings=self.host_sharding)
+        self._host_load = jax.jit(self._load_from_host, donate_argnums=(0,), out_shardings=self.device_sharding)
+        self._scatter = jax.jit(_write_pages, donate_argnums=(0,), out_shardings=self.device_sharding)
+        self._fetched: queue.Queue = queue.Queue()
+        self._parts: dict[int, int] = {}  # load job id -> parts not yet scattered
+        self._failed: dict[int, set] = defaultdict(set)
+        self._queues: dict[str, queue.PriorityQueue] = {}
+        self._sequence = 0
+        self._threads = []
+        for tier, present in (("disk", self.disk), ("mooncake", self.mooncake)):
+            if present is not None:
+                self._queues[tier] = queue.PriorityQueue()
+                thread = threading.Thread(target=self._tier_loop, args=(tier,), name=f"kv-offload-{tier}",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _load_from_host(self, buffer, pool, slots, pages):
+        values = pool[:, jax.device_put(slots, self.host_sharding)]  # gather in host memory, move the pages
+        return _write_pages(buffer, jax.device_put(values, self.device_sharding), pages)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def run(self, runner, transfers: KVTransfers | None) -> None:
+        """Dispatch this step's transfers and scatter what the tier threads fetched since the last step."""
+        if transfers:
+            for job in transfers.stores:
+                self._store(runner, job)
+            for request_id, keys in transfers.probes:
+                self._submit("mooncake", 0, functools.partial(self._probe, request_id, keys))
+            for job in transfers.loads:
+                self._load(runner, job)
+        while True:
+            try:
+                job_id, group, values, pages, failed = self._fetched.get_nowait()
+            except queue.Empty:
+                break
+            self._failed[job_id] |= failed
+            if len(pages):
+                self._scatter_into(runner, group, values, pages)
+            self._part_done(job_id)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a tier thread reports or the scheduler side has a result (idle engine steps)."""
+        if self._fetched.empty():
+            self.results.wait(timeout_s)
+
+    def _submit(self, tier: str, priority: int, task) -> None:
+        self._sequence += 1
+        self._queues[tier].put((priority, self._sequence, task))
+
+    def _tier_loop(self, tier: str) -> None:
+        tasks = self._queues[tier]
+        while True:
+            _, _, task = tasks.get()
+            try:
+                if task is None:
+                    return
+                task()
+            except Exception:  # a bug in a task must not kill the thread that serves the others
+                logger.exception("KV offload %s task failed", tier)
+            finally:
+                tasks.task_done()
+
+    def flush(self, runner) -> None:
+        """Dispatch the stores the scheduler side has prepared and wait until every tier thread is idle
+        (tests and benchmarks: the pause between an agent's turns, made explicit). Never on the step path."""
+        self.run(runner, self.connector.take_transfers())
+        for tasks in self._queues.values():
+            tasks.join()
+
+    def after_stores(self, runner, done: Callable[[], None]) -> None:
+        """Dispatch the stores the scheduler side has prepared now (between steps), then call `done` once
+        every remote tier thread has written them and whatever it had queued before them: from a tier
+        thread, or at once without remote tiers. Nothing waits here (a router's P/D prefill and a
+        session migration wait on `done`, not the engine)."""
+        self.run(runner, self.connector.take_transfers())
+        tiers = list(self._queues)
+        if not tiers:
+            done()
+            return
+        remaining = [len(tiers)]
+        lock = threading.Lock()
+
+        def reached() -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                done()
+
+        for tier in tiers:  # stores run at priority 1 in submission order: this marker runs after them
+            self._submit(tier, 1, reached)
+
+    # -- stores ----------------------------------------------------------------------------------
+    def _store(self, runner, job: StoreJob) -> None:
+        """One gather of the job's pages into pinned host memory; the host pool takes its rows at once,
+        the disk and Mooncake threads theirs in the background."""
+        size = bucket(len(job.pages), TRANSFER_BUCKETS)
+        gathered = self._gather(runner.kv_pages[job.group], _padded(job.pages, size, fill=0))
+        host_rows = job.tier_rows("host")
+        if host_rows:
+            slots = _padded(job.host_slots, size, fill=0)  # rows not for the host write slot 0 (never read)
+            self.host_pools[job.group] = self._host_put(self.host_pools[job.group], gathered, slots)
+            self.stats.add("pages_stored", "host", len(host_rows))
+        for tier in ("disk", "mooncake"):
+            rows = job.tier_rows(tier)
+            if rows:
+                targets = [(row, (job.group, job.keys[row]), job.scores[row] if job.scores else 0.0) for row in rows]
+                self._submit(tier, 1, functools.partial(self._write_pages, tier, gathered, targets))
+
+    def _write_pages(self, tier: str, gathered, targets: list) -> None:
+        values = np.asarray(gathered)  # waits for this gather only, in this thread
+        health = self.health[tier]
+        stored = []
+        for row, key, score in targets:
+            if not health.storable():
+                self.stats.add("store_skipped", tier, len(targets) - len(stored))
+                break
+            payload = np.ascontiguousarray(values[:, row]).view(np.uint8).reshape(-1)
+            try:
+                if tier == "disk":
+                    self.disk.write(key, payload, score)
+                else:
+                    self.mooncake.put(key, payload)
+            except DiskFullError as error:
+                self.stats.add("store_failures", tier, reason="disk_full")
+                health.fail("disk_full", str(error), stores_only=True)
+            except MooncakeError as error:
+                self.stats.add("store_failures", tier, reason="error")
+                health.fail("unreachable", str(error))
+                self.results.put(("remote_down", tier))
+            except OSError as error:
+                self.stats.add("store_failures", tier, reason="io_error")
+                logger.warning("KV offload %s store failed: %s", tier, error)
+            else:
+                stored.append(key)
+        if stored:
+            self.stats.add("pages_stored", tier, len(stored))
+            self.results.put(("stored", tier, stored))
+
+    # -- probes and loads ------------------------------------------------------------------------
+    def _probe(self, request_id: str, keys: list) -> None:
+        present = []
+        if self.health["mooncake"].usable():
+            try:
+                present = [key for key, held in zip(keys, self.mooncake.exists(keys)) if held]
+            except MooncakeError as error:
+                self.health["mooncake"].fail("unreachable", str(error))
+                self.results.put(("remote_down", "mooncake"))
+        self.results.put(("probe", request_id, present))
+
+    def _load(self, runner, job: LoadJob) -> None:
+        parts: dict[tuple[str, int], list] = defaultdict(list)
+        for transfer in job.pages:
+            parts[(transfer.tier, transfer.group)].append(transfer)
+        self._parts[job.job_id] = len(parts) + 1  # +1: this dispatch itself
+        for (tier, group), transfers in parts.items():
+            if tier == "host":
+                size = bucket(len(transfers), TRANSFER_BUCKETS)
+                slots = _padded([t.slot for t in transfers], size)
+                pages = _padded([t.page for t in transfers], size)
+                runner.kv_pages = self._replace(runner.kv_pages, group,
+                                                self._host_load(runner.kv_pages[group], self.host_pools[group],
+                                                                slots, pages))
+                self._part_done(job.job_id)
+            else:
+                self._submit(tier, 0, functools.partial(self._fetch, tier, job.job_id, group, transfers))
+        self._part_done(job.job_id)
+
+    def _fetch(self, tier: str, job_id: int, group: int, transfers: list) -> None:
+        spec = self.specs[group]
+        dtype = jax.numpy.dtype(spec.dtype)
+        values = np.empty((spec.num_slots, len(transfers), *spec.page_shape), dtype=dtype)
+        pages: list[int] = []
+        rows: list[int] = []
+        failed: set = set()
+        for transfer in transfers:
+            key = (group, transfer.key)
+            if not self.health[tier].usable():
+                self.stats.add("load_failures", tier, reason="degraded")
+                failed.add(key)
+                continue
+            try:
+                if tier == "disk":
+                    data = self.disk.read(key, spec.bytes_per_page)
+                else:
+                    data = self.mooncake.get(key, spec.bytes_per_page)
+            except KeyError:
+                self.stats.add("load_failures", tier, reason="missing")
+                failed.add(key)
+                continue
+            except CorruptCheckpointError as error:
+                self.stats.add("load_failures", tier, reason="checksum")
+                logger.warning("%s; its tokens are recomputed", error)
+                failed.add(key)
+                continue
+            except MooncakeError as error:
+                self.stats.add("load_failures", tier, reason="error")
+                self.health[tier].fail("unreachable", str(error))
+                self.results.put(("remote_down", tier))
+                failed.add(key)
+                continue
+            values[:, len(rows)] = np.frombuffer(data, dtype=dtype).reshape(spec.num_slots, *spec.page_shape)
+            rows.append(len(rows))
+            pages.append(transfer.page)
+        if pages:  # pad to a compiled size and start the host-to-device copy here, off the step path
+            size = bucket(len(pages), TRANSFER_BUCKETS)
+            values = values[:, : len(pages)]
+            if size != len(pages):
+                values = np.concatenate([values, np.repeat(values[:, -1:], size - len(pages), axis=1)], axis=1)
+            values = jax.device_put(values, self.device_sharding)
+            pages = _padded(pages, size)
+        self._fetched.put((job_id, group, values, pages, failed))
+
+    def _scatter_into(self, runner, group: int, values, pages: np.ndarray) -> None:
+        """Write fetched pages (already on the device, padded) into the group's buffer."""
+        runner.kv_pages = self._replace(runner.kv_pages, group, self._scatter(runner.kv_pages[group], values, pages))
+
+    @staticmethod
+    def _replace(buffers: tuple, group: int, new) -> tuple:
+        return buffers[:group] + (new,) + buffers[group + 1:]
+
+    def _part_done(self, job_id: int) -> None:
+        self._parts[job_id] -= 1
+        if self._parts[job_id] == 0:
+            del self._parts[job_id]
+            self.results.put(("load", job_id, self._failed.pop(job_id, set())))
+
+    def close(self) -> None:
+        for tier in self._queues:
+            self._queues[tier].put((99, 1 << 62, None))
+        for thread in self._threads:
+            thread.join(timeout=30)
+        if self.mooncake is not None:
+            self.mooncake.close()
+
+
+# -- construction -----------------------------------------------------------------------------------
+def offload_namespace(model_cfg, params, page_size: int, numerics: str) -> str:
+    """A name for this model's pages in shared tiers: its config, page size, numerics and a fingerprint
+    of its weights (a page written under other weights or numerics is never read back)."""
+    digest = hashlib.sha256(repr((model_cfg, page_size, numerics)).encode())
+    for leaf in jax.tree.leaves(params)[:8]:
+        digest.update(repr((leaf.shape, str(leaf.dtype))).encode())
+        digest.update(np.asarray(jax.device_get(leaf.reshape(-1)[:64])).tobytes())
+    return digest.hexdigest()[:24]
+
+
+def tier_entry_score(model_cfg, kv, page_size: int) -> TierEntryScore:
+    """The host and disk tiers' eviction score for this model: recompute FLOPs (its active parameters and
+    attention width) per byte of each KV group's pages."""
+    from agentjax.models.model_size import model_size
+
+    cost = RecomputeCost.for_model(model_size(model_cfg).active_params, model_cfg.num_layers, model_cfg.num_heads,
+                                   model_cfg.head_dim)
+    specs = kv_buffer_specs(model_cfg, page_size)
+    return TierEntryScore(cost, [GroupEntries(group.tokens_per_page, spec.bytes_per_page,
+                                              isinstance(group, CheckpointGroup))
+                                 for group, spec in zip(kv.groups, specs)])
+
+
+def build_offload(engine_cfg, model_cfg, params, kv) -> tuple[OffloadConnector, OffloadWorker]:
+    """The connector's two sides for the tiers `engine_cfg` asks for; `OffloadTierError` if one cannot start.
+    The host and disk tiers choose victims by `tier_entry_score` and recency."""
+    stats = OffloadStats()
+    health = {name: TierHealth(name, stats) for name in TIER_NAMES}
+    namespace = offload_namespace(model_cfg, params, engine_cfg.block_size, engine_cfg.numerics)
+    host = disk = mooncake = None
+    host_slots = 0
+    if engine_cfg.host_cache_gb > 0:
+        page_bytes = sum(spec.bytes_per_page for spec in kv_buffer_specs(model_cfg, engine_cfg.block_size))
+        host_slots = int(engine_cfg.host_cache_gb * 2**30) // page_bytes
+        host = HostPageIndex(len(kv.groups), host_slots, scored=True)
+    if engine_cfg.disk_cache_dir:
+        disk = DiskTier(engine_cfg.disk_cache_dir, namespace, int(engine_cfg.disk_cache_gb * 2**30), scored=True)
+    if engine_cfg.mooncake_master:
+        mooncake = MooncakeTier(engine_cfg.mooncake_master, namespace, int(engine_cfg.mooncake_segment_gb * 2**30))
+    if host is None and disk is None and mooncake is None:
+        raise OffloadTierError("no KV offload tier was asked for (host_cache_gb, disk_cache_dir, mooncake_master)")
+    connector = OffloadConnector(kv, host, disk, mooncake, engine_cfg.kv_offload_retention, stats, health,
+                                 entry_score=tier_entry_score(model_cfg, kv, engine_cfg.block_size))
+    worker = OffloadWorker(model_cfg, engine_cfg.block_size, connector, host_slots)
+    logger.warning("KV offload tiers: %s (namespace %s%s)", ", ".join(connector.tiers), namespace,
+                   f", {host_slots} host pages" if host_slots else "")
+    return connector, worker

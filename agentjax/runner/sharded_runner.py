@@ -1,0 +1,229 @@
+"""The device side of a parallel layout: the model runner over a mesh of devices (sharding/).
+
+`ShardedModelRunner` is `ModelRunner` with the parameters laid out by the layout's rules, one KV
+buffer per device, and the shard_map step of sharding/step.py; the host side (rows, sampling, page
+copies) is the single-device runner's. Its `page_size` is the effective page the KV manager counts
+(block_size x DCP). `execute_ranks` runs one step for several data-parallel ranks at once (each its
+own rows; an idle rank a dummy row), which is how DP/DEP ranks step in lockstep.
+`make_model_runner` picks the runner for an engine's settings after checking that the layout fits.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from agentjax.config import EngineConfig, ModelConfig
+from agentjax.errors import ParallelLayoutError
+from agentjax.kv.cache_layout import state_group_ids
+from agentjax.ragged_batch import RaggedBatch, bucket
+from agentjax.runner.compilation_cache import enable_compilation_cache
+from agentjax.runner.model_runner import COPY_BUCKETS, ModelRunner
+from agentjax.runner.sampler import SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def make_model_runner(cfg: ModelConfig, params, num_pages: int, engine_cfg: EngineConfig,
+                      drafting=None) -> ModelRunner:
+    """The runner an engine's settings ask for (after `sharding.mesh.check_layout`); `drafting` (a device
+    drafter of speculative decoding) runs on one device only."""
+    from sharding.distributed import distributed_runner
+
+    parallel = engine_cfg.parallel
+    page_size = parallel.kv_page_tokens(engine_cfg.block_size)
+    if parallel.is_single_device and engine_cfg.num_processes == 1:
+        return ModelRunner(cfg, params, num_pages, page_size, engine_cfg.numerics, engine_cfg.logprobs_mode,
+                           drafting=drafting)
+    check_engine_layout(cfg, engine_cfg)
+    runner = ShardedModelRunner(cfg, params, num_pages, page_size, engine_cfg.numerics, engine_cfg.logprobs_mode,
+                                parallel=parallel)
+    return distributed_runner(runner, engine_cfg)  # process 0 announces its calls to the others
+
+
+def check_engine_layout(cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
+    """`ParallelLayoutError` unless the layout fits the model, the devices and the engine's other settings."""
+    from sharding.mesh import check_layout
+
+    parallel = engine_cfg.parallel
+    check_layout(cfg, parallel, available_devices=len(jax.devices()), block_size=engine_cfg.block_size)
+    if not parallel.is_single_device and engine_cfg.kv_offload_enabled:
+        raise ParallelLayoutError(f"KV offload tiers do not run with the parallel layout {parallel.name} yet; "
+                                  "turn off host_cache_gb, disk_cache_dir and mooncake_master")
+
+
+class ShardedModelRunner(ModelRunner):
+    """Owns the laid-out parameters and the per-device KV buffers; one shard_map step per call."""
+
+    def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
+                 logprobs_mode: str = "raw_logprobs", *, parallel, devices=None):
+        from sharding.mesh import build_mesh
+        from sharding.modules import place_parameters
+        from sharding.step import ShardedStep
+
+        enable_compilation_cache()
+        if page_size % parallel.decode_context_parallel_size:
+            raise ParallelLayoutError(f"page_size={page_size} is not a multiple of decode_context_parallel_size="
+                                      f"{parallel.decode_context_parallel_size}")
+        self.cfg, self.logprobs_mode, self.numerics = cfg, logprobs_mode, numerics
+        self.page_size, self.num_pages, self.parallel = page_size, num_pages, parallel
+        self.mesh = build_mesh(parallel, devices)
+        self.sharded = ShardedStep(cfg, parallel, self.mesh, numerics)
+        self.params = place_parameters(params, self.sharded.plans, self.mesh)
+        self.kv_pages = self.sharded.new_kv_pages(num_pages, page_size)
+        self.state_groups = state_group_ids(cfg)
+        data_ranks = parallel.data_parallel_size
+        self._steps = {g: self._sampling_step(g) for g in (True, False)} if data_ranks == 1 else {}
+        self.compiled_shapes: set[tuple] = set()
+        self.last_device_s = 0.0
+        logger.info("layout %s over %d devices", parallel.name, parallel.num_devices)
+
+    def _sampling_step(self, greedy_only: bool, **variant):
+        """One data rank's step through the sharded step (inputs get the leading `[data]` axis)."""
+        if self.parallel.data_parallel_size != 1:
+            raise ParallelLayoutError("a data-parallel runner steps through execute_ranks")
+        jitted = self.sharded.sampling_step(greedy_only, **variant)
+
+        def step(params, kv_pages, batch, *inputs):
+            *results, kv_pages = jitted(params, kv_pages, self._global(_stacked([(batch, *inputs)]), "data"),
+                                        self._global(self._pcp_tokens([batch]), "pcp"))
+            return (*jax.tree.map(lambda a: a[0], self._fetch(tuple(results))), kv_pages)
+
+        return step
+
+    def _pcp_tokens(self, batches: Sequence[RaggedBatch]) -> np.ndarray:
+        from sharding.attention import pcp_token_split
+
+        pcp = self.parallel.prefill_context_parallel_size
+        if pcp == 1:
+            return np.zeros((1,), np.int32)
+        if len(batches) != 1:
+            raise ParallelLayoutError("prefill context parallelism runs with data_parallel_size=1")
+        return pcp_token_split(batches[0].cu_q_lens, batches[0].num_tokens, pcp)
+
+    def execute_ranks(self, rank_rows: Sequence[Sequence | None], rank_sampling: Sequence[Sequence | None]
+                      ) -> list[np.ndarray | None]:
+        """One lockstep step of every data rank: `rank_rows[r]` as `execute` takes rows (None: the rank
+        is idle and runs a dummy row on its null page). Greedy unless some row samples. Returns each
+        rank's tokens (None for idle ranks)."""
+        ranks = self.parallel.data_parallel_size
+        if len(rank_rows) != ranks:
+            raise ParallelLayoutError(f"execute_ranks got {len(rank_rows)} ranks' rows, the layout has {ranks}")
+        groups = len(self.kv_pages)
+        dummy_row = ([0], 0, [[0] for _ in range(groups)])
+        rows = [list(r) if r else [dummy_row] for r in rank_rows]
+        sampling = [list(s) if r else [(0.0, 0, 1.0, 0, 0)] for r, s in zip(rank_rows, rank_sampling)]
+        tokens_bucket = bucket(max(sum(len(row[0]) for row in r) for r in rows), _token_buckets())
+        seqs_bucket = bucket(max(len(r) for r in rows), _seq_buckets())
+        batches = [RaggedBatch.build(r, self.page_size, state_groups=self.state_groups, token_buckets=(tokens_bucket,),
+                                     seq_buckets=(seqs_bucket,)) for r in rows]
+        batches = _common_page_tables(batches)
+        greedy_only = all(s[0] == 0.0 for per_rank in sampling for s in per_rank)
+        metas = [_sampling_metadata(s, seqs_bucket, self.cfg.vocab_size, greedy_only) for s in sampling]
+        self._note_shape((*batches[0].shape_key(), greedy_only, "ranks"))
+        jitted = self.sharded.sampling_step(greedy_only)
+        started = time.perf_counter()
+        tokens, self.kv_pages = jitted(self.params, self.kv_pages,
+                                       self._global(_stacked(list(zip(batches, metas))), "data"),
+                                       self._global(self._pcp_tokens([batches[0]] if ranks == 1 else batches), "pcp"))
+        tokens = self._fetch(tokens)
+        self.last_device_s = time.perf_counter() - started
+        return [tokens[r, :len(rank_rows[r])] if rank_rows[r] else None for r in range(ranks)]
+
+    def copy_pages(self, copies: Sequence[tuple[int, int, int]], rank: int = 0) -> None:
+        """Page copies (see `ModelRunner.copy_pages`) on the devices of data rank `rank`."""
+        buffers = list(self.kv_pages)
+        for group in sorted({c[0] for c in copies}):
+            pairs = [(src, dst) for g, src, dst in copies if g == group]
+            size = bucket(len(pairs), COPY_BUCKETS)
+            sources = np.zeros(size, np.int32)
+            destinations = np.zeros(size, np.int32)
+            sources[:len(pairs)], destinations[:len(pairs)] = zip(*pairs)
+            on_devices = _data_rank_of_devices(self.parallel) == rank
+            buffers[group] = _copy_device_pages(buffers[group], *(self._global(a, None) for a in
+                                                                  (sources, destinations, on_devices)))
+        self.kv_pages = tuple(buffers)
+
+    def reset_kv(self) -> None:
+        self.kv_pages = self.sharded.new_kv_pages(self.num_pages, self.page_size)
+
+    def _global(self, tree, role: str | None):
+        """Host inputs as arrays over the mesh (split over `role` on their leading axis, or replicated).
+        One process passes numpy as it is; several build each array from their own (equal) copies."""
+        if jax.process_count() == 1:
+            return tree
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from sharding.mesh import axes
+
+        spec = PartitionSpec(axes(role)) if role and self.parallel.role_size(role) > 1 else PartitionSpec()
+        sharding = NamedSharding(self.mesh, spec)
+
+        def build(value):
+            value = np.asarray(value)
+            return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+        return jax.tree.map(build, tree)
+
+    def _fetch(self, tree):
+        """Step outputs on the host (from every process's devices when there are several)."""
+        if jax.process_count() == 1:
+            return jax.tree.map(lambda a: np.asarray(jax.device_get(a)), tree)
+        from jax.experimental import multihost_utils
+
+        return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
+
+
+def _stacked(trees: list):
+    from sharding.step import stack_for_data
+
+    return stack_for_data(trees)
+
+
+def _token_buckets():
+    from agentjax.ragged_batch import TOKEN_BUCKETS
+
+    return TOKEN_BUCKETS
+
+
+def _seq_buckets():
+    from agentjax.ragged_batch import SEQ_BUCKETS
+
+    return SEQ_BUCKETS
+
+
+def _common_page_tables(batches: list[RaggedBatch]) -> list[RaggedBatch]:
+    """Pad every rank's page tables to the widest rank's (0-padded, like `RaggedBatch.build`)."""
+    widths = [max(b.page_indices[g].shape[1] for b in batches) for g in range(batches[0].num_groups)]
+    return [b.replace(page_indices=tuple(np.pad(t, ((0, 0), (0, w - t.shape[1]))) for t, w in
+                                         zip(b.page_indices, widths))) for b in batches]
+
+
+def _sampling_metadata(sampling, rows: int, vocab_size: int, greedy_only: bool) -> SamplingMetadata:
+    meta = SamplingMetadata.greedy(rows, vocab_size)
+    if not greedy_only:
+        for row, (temperature, top_k, top_p, seed, generated) in enumerate(sampling):
+            meta.temperature[row], meta.top_k[row], meta.top_p[row] = temperature, top_k, top_p
+            meta.seeds[row], meta.num_generated[row] = seed, generated
+    return meta
+
+
+def _data_rank_of_devices(parallel) -> np.ndarray:
+    """The data rank of each device, in the KV buffers' device order (the mesh's)."""
+    sizes = parallel.axis_sizes
+    return np.repeat(np.arange(sizes["data"]), parallel.num_devices // sizes["data"])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_device_pages(buffer, sources, destinations, on_device):
+    """`buffer[d, :, destinations[i]] = buffer[d, :, sources[i]]` in order, on devices where `on_device[d]`."""
+    def copy_one(i, buf):
+        moved = buf.at[:, :, destinations[i]].set(buf[:, :, sources[i]])
+        keep = on_device.reshape(-1, *([1] * (buf.ndim - 1)))
+        return jax.numpy.where(keep, moved, buf)
+
+    return jax.lax.fori_loop(0, sources.shape[0], copy_one, buffer)

@@ -1,0 +1,263 @@
+"""Kimi delta attention's gated delta rule as Triton-style Pallas kernels over the state pages.
+
+The kernels match `pallas_kernels.kda.kimi_delta_attention` in "fast" numerics: the short conv,
+SiLU and the q/k l2 norms stay in jnp (elementwise, cheap), the recurrence runs in a kernel that
+reads each row's recurrent state straight from its state page and writes the new state back in
+place (the page buffer is aliased), and the conv tail is then written by jnp. Two kernels, both one
+program per (row, head, block of value channels), the state block `[D, value_block]` in registers:
+  * `delta_rule_decode_kernel`: one token per row (decode), the recurrent step, no matmul;
+  * `delta_rule_chunk_kernel`: any number of tokens per row (prefill chunks beside decodes), the
+    chunked form (chunks of 16 from each row's own first token: in-chunk decayed key products by
+    exact pairwise log-decay differences, a forward substitution for (I + M)^-1, then matmuls).
+Batch-invariant numerics keep the reference (token-sequential by contract). Pallas' Triton backend
+on a GPU; interpret mode on a CPU (the CPU runner never uses these kernels).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+from agentjax.errors import KernelShapeError
+from pallas_kernels import kda
+from pallas_kernels.ragged_paged_attention import _next_power_of_two
+
+# Tokens per chunk of the chunked kernel: the smallest dot a Triton kernel takes.
+KERNEL_CHUNK = 16
+
+
+def _lanes(count: int, minimum: int = 1) -> tuple[Array, Array]:
+    lane = jnp.arange(max(minimum, _next_power_of_two(count)), dtype=jnp.int32)
+    return lane, lane < count
+
+
+def _state_tile(head, dim, key_lane, value_lane):
+    """Flat offsets of state entries S[head, i, j] (i: key channel, j: value channel) in a page."""
+    return head * dim * dim + key_lane[:, None] * dim + value_lane[None, :]
+
+
+def _decode_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                   pages_in_ref, out_ref, pages_ref, *, dim, value_block, num_pages):
+    del pages_in_ref  # aliased with pages_ref
+    row, head, value_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first, end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
+    has_token = end > first
+    resumes = kv_lens_ref[row] - (end - first) > 0
+    page = slot_ref[0] * num_pages + page_ids_ref[row]
+    token = jnp.where(has_token, first, out_ref.shape[0] - 1)  # a row without a token stores nothing
+
+    key_lane, key_used = _lanes(dim)
+    value_lane = value_tile * value_block + jnp.arange(value_block, dtype=jnp.int32)
+    value_used = value_lane < dim
+    tile_used = key_used[:, None] & value_used[None, :]
+    tile = _state_tile(head, dim, key_lane, value_lane)
+    state = plt.load(pages_ref.at[page, tile], mask=tile_used & has_token & resumes, other=0.0)
+
+    def vector(ref, lane, used):
+        return plt.load(ref.at[token, head, lane], mask=used & has_token, other=0.0).astype(jnp.float32)
+
+    q, k, g = (vector(ref, key_lane, key_used) for ref in (q_ref, k_ref, g_ref))
+    v = vector(v_ref, value_lane, value_used)
+    beta = plt.load(beta_ref.at[token, head], mask=has_token, other=0.0).astype(jnp.float32)
+    decay = jnp.exp(g)
+    read_k = jnp.sum(state * (decay * k)[:, None], axis=0)
+    read_q = jnp.sum(state * (decay * q)[:, None], axis=0)
+    delta = (v - read_k) * beta
+    out = read_q + jnp.sum(k * q) * delta
+    state = state * decay[:, None] + k[:, None] * delta[None, :]
+    plt.store(out_ref.at[token, head, value_lane], out, mask=value_used & has_token)
+    plt.store(pages_ref.at[page, tile], state, mask=tile_used & has_token)
+
+
+def _chunk_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                  pages_in_ref, out_ref, pages_ref, *, dim, value_block, chunk, num_pages):
+    del pages_in_ref  # aliased with pages_ref
+    row, head, value_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first, end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
+    has_token = end > first
+    resumes = kv_lens_ref[row] - (end - first) > 0
+    page = slot_ref[0] * num_pages + page_ids_ref[row]
+
+    key_lane, key_used = _lanes(dim, 16)
+    value_lane = value_tile * value_block + jnp.arange(value_block, dtype=jnp.int32)
+    value_used = value_lane < dim
+    tile_used = key_used[:, None] & value_used[None, :]
+    tile = _state_tile(head, dim, key_lane, value_lane)
+    state = plt.load(pages_ref.at[page, tile], mask=tile_used & has_token & resumes, other=0.0)
+
+    position = jnp.arange(chunk, dtype=jnp.int32)
+    later = position[:, None] > position[None, :]  # [r, s]: s strictly before r
+    precise = dict(allow_tf32=False)
+
+    def pick_row(x, r):  # row r of a register tile, exactly (adds zeros)
+        return jnp.sum(jnp.where(position[:, None] == r, x, 0.0), axis=0)
+
+    def chunk_step(index, state):
+        token = first + index * chunk + position
+        used = token < end
+        load_token = jnp.where(used, token, out_ref.shape[0] - 1)  # spare (interpret) or masked
+
+        def tile_of(ref, lane, lane_used):
+            return plt.load(ref.at[load_token[:, None], head, lane[None, :]], mask=used[:, None] & lane_used[None, :],
+                            other=0.0).astype(jnp.float32)
+
+        q, k, g = (tile_of(ref, key_lane, key_used) for ref in (q_ref, k_ref, g_ref))
+        v = tile_of(v_ref, value_lane, value_used)
+        beta = plt.load(beta_ref.at[load_token, head], mask=used, other=0.0).astype(jnp.float32)
+        cum = jnp.cumsum(g, axis=0)  # in-chunk cumulative log-decay; padding tokens add 0
+
+        # Column s of M[r, s] = beta_r sum_c k_r k_s exp(G_r - G_s) and of A[r, s] = sum_c q_r k_s exp(G_r - G_s),
+        # from exact differences of log-decays (exp <= 1 where used; clamped where masked).
+        def column(s, carry):
+            mix, attend = carry
+            decayed = jnp.exp(jnp.minimum(cum - pick_row(cum, s)[None, :], 0.0)) * pick_row(k, s)[None, :]
+            here = position[None, :] == s
+            mix = jnp.where(here, (jnp.sum(k * decayed, axis=1) * beta)[:, None], mix)
+            attend = jnp.where(here, jnp.sum(q * decayed, axis=1)[:, None], attend)
+            return mix, attend
+
+        zeros = jnp.zeros((chunk, chunk), jnp.float32)
+        mix, attend = jax.lax.fori_loop(0, chunk, column, (zeros, zeros))
+        mix = jnp.where(later, mix, 0.0)
+        attend = jnp.where(later | (position[:, None] == position[None, :]), attend, 0.0)
+
+        # (I + mix) [U | W] = [beta v | beta k exp(G)] by forward substitution, row by row.
+        def substitute(r, solved):
+            u, w = solved
+            weights, strength = pick_row(mix, r)[:, None], pick_row(beta[:, None], r)
+            here = position[:, None] == r
+            u = jnp.where(here, (pick_row(v, r) * strength - jnp.sum(weights * u, axis=0))[None, :], u)
+            w = jnp.where(here, (pick_row(k * jnp.exp(cum), r) * strength - jnp.sum(weights * w, axis=0))[None, :], w)
+            return u, w
+
+        u, w = jax.lax.fori_loop(0, chunk, substitute, (jnp.zeros_like(v), jnp.zeros_like(k)))
+        v_new = u - plt.dot(w, state, **precise)
+        out = plt.dot(q * jnp.exp(cum), state, **precise) + plt.dot(attend, v_new, **precise)
+        last = pick_row(cum, chunk - 1)
+        state = state * jnp.exp(last)[:, None] + plt.dot(k * jnp.exp(last[None, :] - cum), v_new, trans_a=True,
+                                                         **precise)
+        plt.store(out_ref.at[load_token[:, None], head, value_lane[None, :]], out,
+                  mask=used[:, None] & value_used[None, :])
+        return state
+
+    state = jax.lax.fori_loop(0, (end - first + chunk - 1) // chunk, chunk_step, state)
+    plt.store(pages_ref.at[page, tile], state, mask=tile_used & has_token)
+
+
+def delta_rule_kernel(
+    q: Float[Array, "T H D"],
+    k: Float[Array, "T H D"],
+    v: Float[Array, "T H D"],
+    g: Float[Array, "T H D"],
+    beta: Float[Array, "T H"],
+    state_pages: Float[Array, "slots pages size"],
+    cu_q_lens: Int[Array, " B1"],
+    kv_lens: Int[Array, " B"],
+    state_page_ids: Int[Array, " B"],
+    *,
+    slot: Int[Array, ""] | int,
+    decode: bool,
+    value_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[Float[Array, "T H D"], Float[Array, "slots pages size"]]:
+    """The gated delta rule of a ragged batch, each row's recurrent state read from and written to
+    its state page (the first `H*D*D` floats; the rest of the page is untouched): `(out, state_pages)`.
+
+    q, k are normed (q scaled), g <= 0 the log-decay. `decode=True` runs the one-token-per-row step
+    (every row must hold at most one token); otherwise the chunked kernel. A row whose start is 0
+    begins from a zero state. `value_block` value channels per program (a power of two; default
+    min(D, 64), at least 16 for the chunked kernel). Padding tokens get zeros."""
+    num_tokens, num_heads, dim = q.shape
+    num_slots, num_pages, size = state_pages.shape
+    if size < num_heads * dim * dim or v.shape != q.shape:
+        raise KernelShapeError(f"delta_rule_kernel: q {q.shape}, v {v.shape} and state pages {state_pages.shape} "
+                               f"do not fit (a page holds at least {num_heads * dim * dim} floats)")
+    if value_block is None:
+        value_block = min(_next_power_of_two(dim), 64)
+    if not decode:
+        value_block = max(value_block, 16)
+    if value_block != _next_power_of_two(value_block):
+        raise KernelShapeError(f"delta_rule_kernel: value_block={value_block} must be a power of two")
+    num_seqs = kv_lens.shape[0]
+    options = dict(dim=dim, value_block=value_block, num_pages=num_pages)
+    kernel = (functools.partial(_decode_kernel, **options) if decode
+              else functools.partial(_chunk_kernel, chunk=KERNEL_CHUNK, **options))
+    spare = 1 if interpret else 0  # a token row for masked stores to land on in interpret mode
+    pad = lambda x: jnp.pad(x, [(0, spare)] + [(0, 0)] * (x.ndim - 1)) if spare else x  # noqa: E731
+    out, pages = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((num_tokens + spare, num_heads, dim), jnp.float32),
+                   jax.ShapeDtypeStruct((num_slots * num_pages, size), jnp.float32)),
+        grid=(num_seqs, num_heads, pl.cdiv(dim, value_block)),
+        input_output_aliases={9: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kda_decode_step" if decode else "kda_chunk_scan",
+    )(
+        jnp.asarray(slot, jnp.int32).reshape(1), cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+        state_page_ids.astype(jnp.int32), *(pad(x.astype(jnp.float32)) for x in (q, k, v, g, beta)),
+        state_pages.reshape(num_slots * num_pages, size),
+    )
+    valid = (jnp.arange(num_tokens) < cu_q_lens[-1])[:, None, None]
+    return jnp.where(valid, out[:num_tokens], 0.0), pages.reshape(state_pages.shape)
+
+
+def kimi_delta_attention_kernel(
+    mixed_qkv: Float[Array, "T C"],
+    g: Float[Array, "T H D"],
+    beta: Float[Array, "T H"],
+    conv_weight: Float[Array, "C K"],
+    state_pages: Float[Array, "slots pages size"],
+    cu_q_lens: Int[Array, " B1"],
+    kv_lens: Int[Array, " B"],
+    state_page_ids: Int[Array, " B"],
+    *,
+    slot: Int[Array, ""] | int,
+    token_seq_ids: Int[Array, " T"],
+    num_heads: int,
+    head_dim: int,
+    batch_invariant: bool = False,
+    chunk_size: int = kda.CHUNK_SIZE,
+    interpret: bool = False,
+    draft_states: tuple | None = None,
+    **options,
+) -> tuple[Float[Array, "T H D"], Float[Array, "slots pages size"]]:
+    """`kda.kimi_delta_attention`'s contract with the delta rule in the kernels: the decode step when
+    no row holds more than one token, the chunked kernel otherwise (chosen at run time). In
+    batch-invariant numerics the reference runs (token-sequential by contract). `options` tune
+    `delta_rule_kernel`."""
+    if batch_invariant:
+        return kda.kimi_delta_attention(mixed_qkv, g, beta, conv_weight, state_pages, cu_q_lens, kv_lens,
+                                        state_page_ids, slot=slot, token_seq_ids=token_seq_ids, num_heads=num_heads,
+                                        head_dim=head_dim, batch_invariant=True, chunk_size=chunk_size,
+                                        draft_states=draft_states)
+    num_tokens, kernel = mixed_qkv.shape[0], conv_weight.shape[1]
+    width = num_heads * head_dim
+    cu_q_lens, kv_lens, state_page_ids, token_seq_ids = (
+        jnp.asarray(x, jnp.int32) for x in (cu_q_lens, kv_lens, state_page_ids, token_seq_ids))
+    lens, starts = kda.row_spans(cu_q_lens, kv_lens)
+    initial, old_tails = kda.read_states(state_pages, slot, state_page_ids, starts, num_heads, head_dim, kernel)
+    mixed, tails = kda.ragged_causal_conv(mixed_qkv, conv_weight, old_tails, cu_q_lens, token_seq_ids)
+    mixed = jax.nn.silu(mixed)
+    q, k, v = (mixed[:, i * width:(i + 1) * width].reshape(num_tokens, num_heads, head_dim) for i in range(3))
+    q = kda.l2norm(q) * (head_dim ** -0.5)
+    k = kda.l2norm(k)
+    args = (q, k, v, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32), state_pages, cu_q_lens, kv_lens,
+            state_page_ids)
+    run = functools.partial(delta_rule_kernel, slot=slot, interpret=interpret, **options)
+    out, state_pages = jax.lax.cond(jnp.max(lens) <= 1, functools.partial(run, decode=True),
+                                    functools.partial(run, decode=False), *args)
+    recurrent = num_heads * head_dim * head_dim
+    rows = jnp.where(lens > 0, state_page_ids, state_pages.shape[1])
+    state_pages = state_pages.at[slot, rows, recurrent:].set(tails.reshape(tails.shape[0], -1), mode="drop")
+    if draft_states is not None:
+        state_pages = kda.save_draft_states(state_pages, slot, draft_states,
+                                            (q, k, v, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)),
+                                            initial, old_tails, mixed_qkv, cu_q_lens)
+    return out, state_pages

@@ -1,0 +1,362 @@
+"""Paged MLA attention over the latent cache: the pure-jnp reference a Pallas kernel must match.
+
+Multi-head latent attention stores one row per token and layer: the normed latent `c` (`kv_lora_rank`
+values) then the rope part `k_rot` shared by all heads. One call first writes this step's rows into
+their pages, then attends in the absorbed form: each query head arrives already multiplied into the
+latent space (`[W_UK_h^T q_nope_h | q_rope_h]`), so a key is the whole stored row and a value is its
+latent part, i.e. multi-query attention with one shared KV head. The caller maps the `[heads,
+kv_lora_rank]` result back through `W_UV`. Pages stream with an online softmax (the same streaming as
+`ragged_paged_attention`), so a token's arithmetic never depends on which tokens share the batch.
+`mla_paged_attention_kernel` (below) is the same contract as a Triton-style Pallas kernel (GPU;
+interpret mode on a CPU); the CPU runner never uses it.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+from agentjax.errors import KernelShapeError
+from agentjax.numerics import map_row_blocks
+from pallas_kernels.ragged_paged_attention import _next_power_of_two, merge_attention_partials, work_items
+
+# Query tokens per block in the fast path: a block inside one sequence shares its page gathers.
+FAST_QUERY_BLOCK = 64
+
+# Finite stand-in for -inf in the running max (a fully masked block then changes nothing).
+_NEG_LARGE = -1e30
+
+
+def write_latent(
+    latent_pages: Float[Array, "slots pages page_size width"],
+    slot: int | Array,
+    rows: Float[Array, "tokens width"],
+    slot_mapping: Int[Array, " tokens"],
+) -> Float[Array, "slots pages page_size width"]:
+    """Scatter this step's latent rows into their entries (`page * page_size + offset`) of `slot`.
+    Padding tokens carry entries of the null page 0, which nothing reads."""
+    num_slots, num_pages, page_size, width = latent_pages.shape
+    flat = latent_pages.reshape(num_slots, num_pages * page_size, width)
+    flat = flat.at[slot, slot_mapping].set(rows.astype(latent_pages.dtype), mode="drop")
+    return flat.reshape(num_slots, num_pages, page_size, width)
+
+
+def attend_latent(
+    q: Float[Array, "tokens heads width"],
+    latent_pages: Float[Array, "slots pages page_size width"],
+    slot: int | Array,
+    token_page_table: Int[Array, "tokens max_pages"] | Int[Array, " max_pages"],
+    token_positions: Int[Array, " tokens"],
+    *,
+    value_dim: int,
+    sm_scale: float,
+    pages_per_block: int = 4,
+    return_lse: bool = False,
+) -> Float[Array, "tokens heads value_dim"] | tuple[Array, Float[Array, "tokens heads"]]:
+    """Causal attention of each absorbed query over its sequence's latent rows: scores against the
+    whole row, values its first `value_dim` entries. A 1-D `token_page_table` is one table shared by
+    every token (a block of one sequence): its pages are gathered once. With `return_lse`, also each
+    head's float32 log-sum-exp (-inf for a token that sees no row), as `attend_paged` gives it."""
+    shared = token_page_table.ndim == 1
+    num_tokens, num_heads, width = q.shape
+    page_size = latent_pages.shape[2]
+    max_pages = token_page_table.shape[-1]
+    pages_per_block = max(1, min(pages_per_block, max_pages))
+    pad = (-max_pages) % pages_per_block
+    if pad:
+        token_page_table = jnp.pad(token_page_table, [(0, 0)] * (token_page_table.ndim - 1) + [(0, pad)])
+    num_blocks = token_page_table.shape[-1] // pages_per_block
+    block_tokens = pages_per_block * page_size
+
+    q32 = q.astype(jnp.float32) * sm_scale
+    offsets = jnp.arange(block_tokens, dtype=jnp.int32)
+    last_position = token_positions.max()
+
+    def body(block, carry):
+        # Blocks past every query's position are fully masked: skipping them is an exact no-op.
+        return jax.lax.cond(block * block_tokens <= last_position, attend_block, lambda _, c: c, block, carry)
+
+    def attend_block(block, carry):
+        m, denom, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, -1)
+        rows = latent_pages[slot, pages].astype(jnp.float32)
+        if shared:  # one sequence's rows for every query
+            rows = rows.reshape(block_tokens, width)
+            scores = jnp.einsum("thw,sw->ths", q32, rows)
+        else:
+            rows = rows.reshape(num_tokens, block_tokens, width)
+            scores = jnp.einsum("thw,tsw->ths", q32, rows)
+        visible = (block * block_tokens + offsets)[None, :] <= token_positions[:, None]
+        scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(scores - m_new[..., None])
+        denom = denom * alpha + p.sum(axis=-1)
+        values = rows[..., :value_dim]
+        update = jnp.einsum("ths,sv->thv", p, values) if shared else jnp.einsum("ths,tsv->thv", p, values)
+        acc = acc * alpha[..., None] + update
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((num_tokens, num_heads), _NEG_LARGE, jnp.float32),
+        jnp.zeros((num_tokens, num_heads), jnp.float32),
+        jnp.zeros((num_tokens, num_heads, value_dim), jnp.float32),
+    )
+    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = (acc / jnp.where(denom == 0, 1.0, denom)[..., None]).astype(q.dtype)  # padding rows see no key
+    if not return_lse:
+        return out
+    return out, jnp.where(denom == 0, -jnp.inf, m + jnp.log(jnp.where(denom == 0, 1.0, denom)))
+
+
+def mla_paged_attention(
+    q: Float[Array, "tokens heads width"],
+    latent: Float[Array, "tokens width"],
+    latent_pages: Float[Array, "slots pages page_size width"],
+    page_indices: Int[Array, "seqs max_pages"],
+    *,
+    layer: int | Array,
+    token_seq_ids: Int[Array, " tokens"],
+    token_positions: Int[Array, " tokens"],
+    slot_mapping: Int[Array, " tokens"],
+    value_dim: int,
+    sm_scale: float,
+    batch_invariant: bool = False,
+    kv_lens: Int[Array, " seqs"] | None = None,
+    cu_q_lens: Int[Array, " seqs_plus_1"] | None = None,
+    return_lse: bool = False,
+) -> tuple[Float[Array, "tokens heads value_dim"], Float[Array, "slots pages page_size width"]]:
+    """Write this step's latent rows (`[c | k_rot]`) into slot `layer`'s pages, then attend with the
+    absorbed queries: `(latent-space output [tokens, heads, value_dim], latent_pages)`.
+
+    `width = kv_lora_rank + rope_dim` and `value_dim = kv_lora_rank`. In "batch_invariant" numerics
+    every token is computed alone in fixed row blocks; the fast path lets a block of one sequence's
+    tokens share its page gathers. `kv_lens`/`cu_q_lens` are the kernel's row metadata, unused here.
+    `return_lse` adds each head's log-sum-exp: `(out, latent_pages, lse)` (decode context parallelism
+    merges partial results by it).
+    """
+    del kv_lens, cu_q_lens  # encoded in the per-token metadata
+    latent_pages = write_latent(latent_pages, layer, latent, slot_mapping)
+
+    def attend(q_rows, table_rows, position_rows):
+        return attend_latent(q_rows, latent_pages, layer, table_rows, position_rows,
+                             value_dim=value_dim, sm_scale=sm_scale, return_lse=return_lse)
+
+    def result(out):
+        return (out[0], latent_pages, out[1]) if return_lse else (out, latent_pages)
+
+    token_tables = page_indices[token_seq_ids]
+    if batch_invariant:
+        return result(map_row_blocks(attend, q, token_tables, token_positions))
+
+    def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
+        return jax.lax.cond(
+            jnp.all(seq_rows == seq_rows[0]),
+            lambda: attend(q_rows, table_rows[0], position_rows),
+            lambda: attend(q_rows, table_rows, position_rows),
+        )
+
+    block = min(FAST_QUERY_BLOCK, q.shape[0])
+    return result(map_row_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids, block=block))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton-style Pallas kernel (GPU: Hopper and Blackwell through the Triton backend; CPU:
+# interpret mode only). MLA is multi-query attention with one shared latent KV head, so one
+# program runs `head_block` query heads of up to `query_rows // head_block` consecutive tokens of
+# one sequence as its dot rows, over one share of that sequence's latent blocks. The latent part
+# and the rope part of a row are loaded and dotted separately (576 = 512 + 64 at Kimi's shapes,
+# each a power of two, so no lane is wasted on padding).
+# ---------------------------------------------------------------------------------------------
+
+
+def _mla_decode_kernel(
+    slot_ref, item_seq_ref, item_start_ref, item_count_ref, kv_lens_ref, cu_q_lens_ref, table_ref, q_ref, rows_ref,
+    out_ref, lse_ref, *, head_block, query_rows, kv_block, page_size, num_pages, num_heads, value_dim, rope_dim,
+    sm_scale, num_splits, interpret,
+):
+    item, head_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq, start, count = item_seq_ref[item], item_start_ref[item], item_count_ref[item]
+    slot = slot_ref[0]
+    max_pages = table_ref.shape[1]
+
+    row = jnp.arange(query_rows, dtype=jnp.int32)
+    head = head_tile * head_block + row % head_block
+    row_used = (row // head_block < count) & (head < num_heads)
+    token = jnp.where(row_used, start + row // head_block, 0)
+    head = jnp.where(row_used, head, 0)
+    store_token = jnp.where(row_used, token, out_ref.shape[1] - 1) if interpret else token
+
+    seq_start, seq_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+    context = kv_lens_ref[seq] - (seq_end - seq_start)
+    position = context + (token - seq_start)
+    kv_end = context + (start - seq_start) + count
+    block_hi = jnp.where(count > 0, (kv_end + kv_block - 1) // kv_block, 0)
+    per_split = (block_hi + num_splits - 1) // num_splits
+    split_lo = jnp.minimum(split * per_split, block_hi)
+    split_hi = jnp.minimum(split_lo + per_split, block_hi)
+
+    def lanes(first, width):
+        lane = jnp.arange(_next_power_of_two(width), dtype=jnp.int32)
+        return first + lane, lane < width
+
+    value_lane, value_lane_used = lanes(0, value_dim)
+    rope_lane, rope_lane_used = lanes(value_dim, rope_dim)
+
+    def load_query(lane, lane_used):
+        return plt.load(q_ref.at[token[:, None], head[:, None], lane[None, :]],
+                        mask=row_used[:, None] & lane_used[None, :], other=0)
+
+    q_value = load_query(value_lane, value_lane_used)
+    q_rope = load_query(rope_lane, rope_lane_used) if rope_dim else None
+    precise = dict(allow_tf32=False) if q_value.dtype == jnp.float32 else {}
+    key_offsets = jnp.arange(kv_block, dtype=jnp.int32)
+
+    def attend_block(block, carry):
+        m, denom, acc = carry
+        key_position = block * kv_block + key_offsets
+        key_used = key_position < kv_end
+        page_slot = jnp.minimum(key_position // page_size, max_pages - 1)
+        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=key_used, other=0)
+        entry = (slot * num_pages + page) * page_size + key_position % page_size
+
+        def load_rows(lane, lane_used):
+            return plt.load(rows_ref.at[entry[:, None], lane[None, :]],
+                            mask=key_used[:, None] & lane_used[None, :], other=0).astype(q_value.dtype)
+
+        values = load_rows(value_lane, value_lane_used)
+        scores = plt.dot(q_value, values, trans_b=True, **precise)
+        if rope_dim:
+            scores += plt.dot(q_rope, load_rows(rope_lane, rope_lane_used), trans_b=True, **precise)
+        scores = scores * sm_scale
+        visible = (key_position[None, :] <= position[:, None]) & key_used[None, :]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(scores - m_new[:, None])
+        denom = denom * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + plt.dot(p.astype(values.dtype), values, **precise)
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((query_rows,), _NEG_LARGE, jnp.float32),
+        jnp.zeros((query_rows,), jnp.float32),
+        jnp.zeros((query_rows, value_lane.shape[0]), jnp.float32),
+    )
+    m, denom, acc = jax.lax.fori_loop(split_lo, split_hi, attend_block, init)
+    safe_denom = jnp.where(denom == 0, 1.0, denom)
+    split_rows = jnp.full((query_rows,), split, jnp.int32)
+    plt.store(out_ref.at[split_rows[:, None], store_token[:, None], head[:, None], value_lane[None, :]],
+              (acc / safe_denom[:, None]).astype(out_ref.dtype), mask=row_used[:, None] & value_lane_used[None, :])
+    plt.store(lse_ref.at[split_rows, store_token, head], jnp.where(denom == 0, -jnp.inf, m + jnp.log(safe_denom)),
+              mask=row_used)
+
+
+def mla_attention_kernel(
+    q: Float[Array, "tokens heads width"],
+    latent_pages: Float[Array, "slots pages page_size width"],
+    kv_lens: Int[Array, " seqs"],
+    page_indices: Int[Array, "seqs max_pages"],
+    cu_q_lens: Int[Array, " seqs_plus_1"],
+    *,
+    layer: int | Array,
+    value_dim: int,
+    sm_scale: float,
+    head_block: int | None = None,
+    query_rows: int | None = None,
+    kv_block: int = 32,
+    num_kv_splits: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[Float[Array, "tokens heads value_dim"], Float[Array, "tokens heads"]]:
+    """`attend_latent` for a ragged batch as one kernel, over pages that already hold this step's rows:
+    `(out, lse)` (lse float32, as `attend_latent(..., return_lse=True)` gives it).
+
+    Row b's tokens are `q[cu_q_lens[b]:cu_q_lens[b+1]]`, its KV length after the step `kv_lens[b]`;
+    padding tokens (past `cu_q_lens[-1]`) get out 0 and LSE -inf. Tuning: `head_block` heads per program (a power
+    of two; default min(heads, 64) rounded up), `query_rows` dot rows (>= 16 and >= `head_block`; a
+    program takes `query_rows // head_block` tokens), `kv_block` latent rows per step, and
+    `num_kv_splits` programs per item over disjoint key ranges merged by LSE (flash-decoding).
+    """
+    num_tokens, num_heads, width = q.shape
+    num_slots, num_pages, page_size, rows_width = latent_pages.shape
+    rope_dim = width - value_dim
+    if rows_width != width or rope_dim < 0:
+        raise KernelShapeError(f"mla_attention_kernel: q {q.shape} does not fit latent_pages {latent_pages.shape} "
+                               f"with value_dim={value_dim} (widths must match and value_dim <= {width})")
+    if head_block is None:
+        head_block = _next_power_of_two(min(num_heads, 64))
+    if query_rows is None:
+        query_rows = 16 if num_tokens <= kv_lens.shape[0] else 64
+    query_rows = max(query_rows, head_block)
+    for name, value in (("head_block", head_block), ("query_rows", query_rows), ("kv_block", kv_block),
+                        ("page_size", page_size)):
+        if value != _next_power_of_two(value) or (name in ("query_rows", "kv_block") and value < 16):
+            raise KernelShapeError(f"mla_attention_kernel: {name}={value} must be a power of two "
+                                   "(>= 16 for query_rows and kv_block)")
+    if num_kv_splits < 1:
+        raise KernelShapeError(f"mla_attention_kernel: num_kv_splits={num_kv_splits} must be >= 1")
+
+    cu_q_lens = jnp.asarray(cu_q_lens, jnp.int32)
+    item_seq, item_start, item_count = work_items(cu_q_lens, num_tokens, query_rows // head_block)
+    kernel = functools.partial(
+        _mla_decode_kernel, head_block=head_block, query_rows=query_rows, kv_block=kv_block, page_size=page_size,
+        num_pages=num_pages, num_heads=num_heads, value_dim=value_dim, rope_dim=rope_dim, sm_scale=float(sm_scale),
+        num_splits=num_kv_splits, interpret=bool(interpret),
+    )
+    spare = 1 if interpret else 0
+    out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
+    outs, lses = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_kv_splits, num_tokens + spare, num_heads, value_dim), out_dtype),
+            jax.ShapeDtypeStruct((num_kv_splits, num_tokens + spare, num_heads), jnp.float32),
+        ),
+        grid=(item_seq.shape[0], pl.cdiv(num_heads, head_block), num_kv_splits),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="mla_paged_attention",
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1), item_seq, item_start, item_count, kv_lens.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
+        latent_pages.reshape(num_slots * num_pages * page_size, width),
+    )
+    outs, lses = outs[:, :num_tokens], lses[:, :num_tokens]
+    out, lse = (outs[0], lses[0]) if num_kv_splits == 1 else merge_attention_partials(outs, lses)
+    real = jnp.arange(num_tokens) < cu_q_lens[-1]
+    return jnp.where(real[:, None, None], out, 0).astype(q.dtype), jnp.where(real[:, None], lse, -jnp.inf)
+
+
+def mla_paged_attention_kernel(
+    q: Float[Array, "tokens heads width"],
+    latent: Float[Array, "tokens width"],
+    latent_pages: Float[Array, "slots pages page_size width"],
+    page_indices: Int[Array, "seqs max_pages"],
+    *,
+    layer: int | Array,
+    slot_mapping: Int[Array, " tokens"],
+    kv_lens: Int[Array, " seqs"],
+    cu_q_lens: Int[Array, " seqs_plus_1"],
+    value_dim: int,
+    sm_scale: float,
+    token_seq_ids: Int[Array, " tokens"] | None = None,
+    token_positions: Int[Array, " tokens"] | None = None,
+    batch_invariant: bool = False,
+    return_lse: bool = False,
+    **options,
+):
+    """`mla_paged_attention`'s contract (write the latent rows, attend: `(out, latent_pages)`, or
+    `(out, latent_pages, lse)` with `return_lse`) with the attention as one kernel
+    (`mla_attention_kernel`, whose keyword `options` it takes). It needs the rows' `kv_lens` and
+    `cu_q_lens`; the per-token metadata is recomputed from them. A token's reduction order depends
+    only on its own row and the fixed block sizes."""
+    del token_seq_ids, token_positions, batch_invariant
+    latent_pages = write_latent(latent_pages, layer, latent, slot_mapping)
+    out, lse = mla_attention_kernel(q, latent_pages, kv_lens, page_indices, cu_q_lens, layer=layer,
+                                    value_dim=value_dim, sm_scale=sm_scale, **options)
+    return (out, latent_pages, lse) if return_lse else (out, latent_pages)

@@ -1,0 +1,102 @@
+"""Compile time and step time of each model family's tiny preset on this CPU, side by side in one run.
+
+    .venv/bin/python scripts/bench_presets.py [--presets tiny-dense,tiny-sliding,tiny-minimax-m3,tiny-kimi-k3]
+        [--repeats 11] [--numerics fast] [--no-write]
+
+Each preset runs in its own process with the persistent XLA cache off, so each shape compiles from
+scratch: a 16-token prefill, a 512-token prefill and 8 decode rows at 512 tokens of context.
+Compile = first call minus the median of the calls after it; step = that median. Writes the
+"## Tiny presets" section of BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks_md import write_section
+
+REPO = Path(__file__).resolve().parents[1]
+SECTION = "## Tiny presets: compile and step time (CPU)"
+DEFAULT_PRESETS = "tiny-dense,tiny-sliding,tiny-minimax-m3,tiny-kimi-k3"
+
+MEASURE = r'''
+import json, statistics, sys, time
+from agentjax.kv.cache_layout import kv_buffer_specs, state_group_ids
+from agentjax.models import load_model
+from agentjax.models.model_size import model_size
+from agentjax.runner.model_runner import ModelRunner
+preset, repeats, numerics = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+cfg, params, _ = load_model("preset:" + preset)
+runner = ModelRunner(cfg, params, num_pages=1024, page_size=16, numerics=numerics)
+groups, states = len(kv_buffer_specs(cfg, 16)), set(state_group_ids(cfg))
+greedy = (0.0, 0, 1.0, 0, 0)
+
+def tables(first_page, num_pages):
+    pages = list(range(first_page, first_page + num_pages))
+    return [pages[:1] if g in states else pages for g in range(groups)]
+
+cases = {
+    "prefill 16": [(list(range(100, 116)), 0, tables(1, 2))],
+    "prefill 512": [(list(range(100, 612)), 0, tables(1, 33))],
+    "decode x8 at 512": [([5], 512, tables(1 + 40 * i, 39)) for i in range(8)],
+}
+out = {"params": model_size(cfg).total_params, "groups": groups, "cases": {}}
+for name, rows in cases.items():
+    started = time.perf_counter()
+    runner.execute(rows, [greedy] * len(rows))
+    first = time.perf_counter() - started
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runner.execute(rows, [greedy] * len(rows))
+        times.append(time.perf_counter() - started)
+    step = statistics.median(times)
+    out["cases"][name] = {"compile_s": first - step, "step_s": step}
+print(json.dumps(out))
+'''
+
+
+def measure(preset: str, repeats: int, numerics: str) -> dict:
+    env = {**os.environ, "AGENTJAX_XLA_CACHE": "off"}
+    result = subprocess.run([sys.executable, "-c", MEASURE, preset, str(repeats), numerics], env=env,
+                            capture_output=True, text=True, check=True, cwd=REPO)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default=DEFAULT_PRESETS, help="comma-separated preset names")
+    parser.add_argument("--repeats", type=int, default=11, help="steady-state calls per shape (median)")
+    parser.add_argument("--numerics", default="fast", choices=("fast", "batch_invariant"))
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+    results = {}
+    for preset in args.presets.split(","):
+        print(f"measuring {preset} ...", flush=True)
+        results[preset] = measure(preset, args.repeats, args.numerics)
+    load = os.getloadavg()[0]
+    lines = [SECTION, "",
+             f"`python scripts/bench_presets.py --presets {args.presets} --repeats {args.repeats} "
+             f"--numerics {args.numerics}` on {datetime.date.today()}, {platform.processor() or platform.machine()}, "
+             f"{os.cpu_count()} CPUs (load average {load:.1f} at the end), XLA cache off, float32. One process per "
+             "preset. Compile = first call minus the steady median; step = median of the steady calls.", "",
+             "| preset | parameters | KV groups | shape | compile | step |", "|---|---|---|---|---|---|"]
+    for preset, result in results.items():
+        for name, case in result["cases"].items():
+            lines.append(f"| {preset} | {result['params'] / 1e6:.2f}M | {result['groups']} | {name} | "
+                         f"{case['compile_s']:.1f} s | {case['step_s'] * 1e3:.1f} ms |")
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        write_section(body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,360 @@
+"""Write tiny random Kimi-Linear, MiniMax-M3 and DeepSeek-V4 checkpoints plus transformers' reference outputs.
+
+Run with the torch venv (never from project tests): each fixture directory gets config.json,
+generation_config.json and model.safetensors exactly as transformers' `save_pretrained` writes them
+(plus the MiniMax MTP tensors transformers ignores on load), and reference.npz with prompt logits and
+greedy tokens (DeepSeek-V4's builder and extra diagnostics live in dsv4_fixtures.py). Everything is
+seeded, so re-running rewrites byte-identical files.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import math
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import dsv4_fixtures
+
+log = logging.getLogger("make_model_fixtures")
+NEW_TOKENS = 24
+VOCAB = 512
+CHECKPOINT_LIMIT_BYTES = 2 * 1024 * 1024
+
+KIMI_FIXTURES = {
+    "kimi-linear-a": dict(
+        seed=11, prompt_len=72, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2,
+                            "head_dim": 32, "short_conv_kernel_size": 4},
+        first_k_dense_replace=1, num_experts=8, num_experts_per_token=2, num_shared_experts=2,
+        num_expert_group=1, topk_group=1, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+    ),
+    "kimi-linear-b": dict(
+        seed=12, prompt_len=77, hidden_size=80, intermediate_size=128, moe_intermediate_size=24,
+        num_hidden_layers=5, num_attention_heads=3, num_key_value_heads=3,
+        q_lora_rank=None, kv_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16,
+        linear_attn_config={"kda_layers": [2, 3, 5], "full_attn_layers": [1, 4], "num_heads": 3,
+                            "head_dim": 16, "short_conv_kernel_size": 3},
+        first_k_dense_replace=2, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+        num_expert_group=2, topk_group=1, routed_scaling_factor=1.5, rms_norm_eps=1e-6,
+    ),
+}
+
+MINIMAX_FIXTURES = {
+    # Saved through the VL wrapper (MiniMaxM3SparseForConditionalGeneration, model_type minimax_m3_vl).
+    "minimax-m3-a": dict(
+        # prompt_seed: the default prompt (seed 2021) left a 7e-4 top-1 margin at generated step 3.
+        seed=21, prompt_seed=2022, prompt_len=70, wrapper=True, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5,
+        rope_theta=10000.0, intermediate_size=32, shared_intermediate_size=32,
+        dense_intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
+        routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=2.0, rms_norm_eps=1e-6,
+        index_n_heads=2, index_head_dim=32, index_block_size=4, index_topk_blocks=2,
+        index_local_blocks=1, dense_layers=1,
+    ),
+    # Saved as the text model alone (MiniMaxM3VLForCausalLM, model_type minimax_m3_vl_text).
+    "minimax-m3-b": dict(
+        seed=22, prompt_len=75, wrapper=False, hidden_size=64, num_hidden_layers=5,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+        rope_theta=5000000.0, intermediate_size=32, shared_intermediate_size=48,
+        dense_intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,
+        routed_scaling_factor=2.0, swiglu_alpha=1.5, swiglu_limit=1.75, rms_norm_eps=1e-5,
+        index_n_heads=2, index_head_dim=24, index_block_size=8, index_topk_blocks=3,
+        index_local_blocks=2, dense_layers=2,
+    ),
+}
+
+TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   patch_size=2, temporal_patch_size=2, spatial_merge_size=2, image_size=8)
+
+
+# ---------------------------------------------------------------- random parameters
+
+def _normal(gen: torch.Generator, shape, std: float, mean: float = 0.0) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+
+
+def _random_value(name: str, shape: tuple[int, ...], gen: torch.Generator, gemma_norms: bool,
+                  lm_head_gain: float) -> torch.Tensor:
+    """A random value for one tensor, scaled so that every feature changes the output."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("e_score_correction_bias"):
+        return _normal(gen, shape, 0.15)
+    if leaf == "A_log":  # decay rate exp(A_log) in [0.5, 2]
+        return torch.log(torch.rand(shape, generator=gen) * 1.5 + 0.5)
+    if leaf == "dt_bias":  # softplus(dt_bias) ~ 0.03..0.3, so per-step decay stays 0.55..0.99
+        return _normal(gen, shape, 0.5, -2.5)
+    if "conv1d" in name and leaf == "weight" and len(shape) == 3:
+        return _normal(gen, shape, 0.5)
+    if leaf == "bias":  # only the vision tower and its projector have biases
+        return _normal(gen, shape, 0.05)
+    if len(shape) == 1:  # a norm weight
+        if "vision_tower" in name or not gemma_norms:
+            return _normal(gen, shape, 0.15, 1.0)
+        return _normal(gen, shape, 0.15)  # Gemma-style (1 + w) norm: w near 0
+    if name.endswith("embed_tokens.weight"):
+        return _normal(gen, shape, 1.0)
+    if name.endswith("lm_head.weight"):
+        return _normal(gen, shape, lm_head_gain / math.sqrt(shape[-1]))
+    # [out, in] linears and [E, out, in] fused experts scale by `in`; the vision patch conv by C*T*P*P.
+    fan_in = shape[-1] if len(shape) in (2, 3) else int(np.prod(shape[1:]))
+    return _normal(gen, shape, 1.0 / math.sqrt(fan_in))
+
+
+def randomize(model: torch.nn.Module, seed: int, gemma_norms: bool, lm_head_gain: float) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            tensor.copy_(_random_value(name, tuple(tensor.shape), gen, gemma_norms, lm_head_gain))
+
+
+# ---------------------------------------------------------------- model builders
+
+def build_kimi(spec: dict):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    kwargs = {k: v for k, v in spec.items() if k not in ("seed", "prompt_seed", "prompt_len")}
+    config = KimiLinearConfig(
+        vocab_size=VOCAB, model_max_length=4096, hidden_act="silu", moe_renormalize=True,
+        moe_router_activation_func="sigmoid", use_grouped_topk=True, mla_use_nope=True,
+        moe_layer_freq=1, num_nextn_predict_layers=0, tie_word_embeddings=False,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None, **kwargs,
+    )
+    torch.manual_seed(spec["seed"])
+    model = KimiLinearForCausalLM(config)
+    randomize(model, spec["seed"], gemma_norms=False, lm_head_gain=2.0)
+    return model, KimiLinearForCausalLM, {}
+
+
+def _minimax_text_config(spec: dict) -> dict:
+    n, dense = spec["num_hidden_layers"], spec["dense_layers"]
+    skip = ("seed", "prompt_seed", "prompt_len", "wrapper", "dense_layers", "partial_rotary_factor", "rope_theta")
+    text = {k: v for k, v in spec.items() if k not in skip}
+    text.update(
+        vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=False,
+        rotary_dim=int(spec["head_dim"] * spec["partial_rotary_factor"]),
+        rope_parameters={"rope_type": "default", "rope_theta": spec["rope_theta"],
+                         "partial_rotary_factor": spec["partial_rotary_factor"]},
+        layer_types=["full_attention"] * dense + ["minimax_m3_sparse"] * (n - dense),
+        mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense),
+        num_mtp_modules=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        # Fields real checkpoints carry and vLLM reads; transformers keeps them as plain attributes.
+        scoring_func="sigmoid", use_routing_bias=True, n_shared_experts=1, swiglu_beta=1.0,
+        use_qk_norm=True, qk_norm_type="per_head", use_gemma_norm=True, attention_output_gate=False,
+    )
+    return text
+
+
+def mtp_tensor_shapes(text: dict, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one MiniMax-M3 MTP module as the real checkpoint stores them.
+
+    The names follow vLLM's MiniMaxM3MTP loader: `<prefix>mtp.layers.0.{enorm,hnorm,eh_proj,
+    final_layernorm}` and a sparse-attention + MoE decoder layer under `transformer_layer.`, with the
+    original checkpoint spelling (block_sparse_moe, experts.N.w1/w2/w3, index_q_proj, ...).
+    """
+    h, hd, nh, kv = text["hidden_size"], text["head_dim"], text["num_attention_heads"], text["num_key_value_heads"]
+    ih, idim = text["index_n_heads"], text["index_head_dim"]
+    inter, shared, experts = text["intermediate_size"], text["shared_intermediate_size"], text["num_local_experts"]
+    root = f"{prefix}mtp.layers.0."
+    layer = root + "transformer_layer."
+    shapes = {
+        root + "enorm.weight": (h,), root + "hnorm.weight": (h,), root + "eh_proj.weight": (h, 2 * h),
+        root + "final_layernorm.weight": (h,),
+        layer + "input_layernorm.weight": (h,), layer + "post_attention_layernorm.weight": (h,),
+        layer + "self_attn.q_proj.weight": (nh * hd, h), layer + "self_attn.k_proj.weight": (kv * hd, h),
+        layer + "self_attn.v_proj.weight": (kv * hd, h), layer + "self_attn.o_proj.weight": (h, nh * hd),
+        layer + "self_attn.q_norm.weight": (hd,), layer + "self_attn.k_norm.weight": (hd,),
+        layer + "self_attn.index_q_proj.weight": (ih * idim, h),
+        layer + "self_attn.index_k_proj.weight": (idim, h),
+        layer + "self_attn.index_q_norm.weight": (idim,), layer + "self_attn.index_k_norm.weight": (idim,),
+        layer + "block_sparse_moe.gate.weight": (experts, h),
+        layer + "block_sparse_moe.e_score_correction_bias": (experts,),
+        layer + "block_sparse_moe.shared_experts.gate_proj.weight": (shared, h),
+        layer + "block_sparse_moe.shared_experts.up_proj.weight": (shared, h),
+        layer + "block_sparse_moe.shared_experts.down_proj.weight": (h, shared),
+    }
+    for e in range(experts):
+        shapes[layer + f"block_sparse_moe.experts.{e}.w1.weight"] = (inter, h)
+        shapes[layer + f"block_sparse_moe.experts.{e}.w2.weight"] = (h, inter)
+        shapes[layer + f"block_sparse_moe.experts.{e}.w3.weight"] = (inter, h)
+    return shapes
+
+
+def build_minimax(spec: dict):
+    from transformers import (MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig,
+                              MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig)
+
+    text = _minimax_text_config(spec)
+    if spec["wrapper"]:
+        config = MiniMaxM3VLConfig(text_config=text, vision_config=TINY_VISION, projector_hidden_size=32,
+                                   image_token_index=VOCAB - 2, video_token_index=VOCAB - 1)
+        cls, prefix = MiniMaxM3SparseForConditionalGeneration, "language_model.model."
+    else:
+        config = MiniMaxM3VLTextConfig(**text)
+        cls, prefix = MiniMaxM3VLForCausalLM, "model."
+    torch.manual_seed(spec["seed"])
+    model = cls(config)
+    randomize(model, spec["seed"], gemma_norms=True, lm_head_gain=2.0)
+    gen = torch.Generator().manual_seed(spec["seed"] + 1000)
+    mtp = {name: _random_value(name, shape, gen, gemma_norms=True, lm_head_gain=2.0)
+           for name, shape in sorted(mtp_tensor_shapes(text, prefix).items())}
+    return model, cls, mtp
+
+
+def build_dsv4(spec: dict):
+    def common(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        return _random_value(name, shape, gen, gemma_norms=False, lm_head_gain=2.0)
+
+    return dsv4_fixtures.build(spec, common)
+
+
+def dsv4_reference(model, prompt: torch.Tensor) -> dict[str, np.ndarray]:
+    return dsv4_fixtures.reference_outputs(model, prompt, NEW_TOKENS)
+
+
+# ---------------------------------------------------------------- saving and references
+
+def add_tensors(safetensors_path: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Add tensors (MTP) to a saved checkpoint, keeping transformers' file metadata."""
+    if not extra:
+        return
+    with safe_open(str(safetensors_path), "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    clash = set(tensors) & set(extra)
+    if clash:
+        raise ValueError(f"MTP tensors clash with saved tensors: {sorted(clash)[:3]}")
+    tensors.update({k: v.contiguous() for k, v in extra.items()})
+    save_file(tensors, str(safetensors_path), metadata=metadata)
+
+
+def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """np.savez-compatible archive with fixed timestamps, so identical arrays give identical bytes."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for key in sorted(arrays):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.ascontiguousarray(arrays[key]), allow_pickle=False)
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, buf.getvalue())
+
+
+def _top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    top = torch.topk(logits, 2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+@torch.no_grad()
+def reference_outputs(model, prompt: torch.Tensor) -> dict[str, np.ndarray]:
+    from transformers import GenerationConfig
+
+    prompt_logits = model(input_ids=prompt[None], use_cache=False).logits[0].float()
+    # No pad token and an explicit all-ones mask: generate must not mistake a prompt token for padding.
+    gen_config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                  pad_token_id=None, bos_token_id=None, output_logits=True,
+                                  return_dict_in_generate=True, use_cache=True)
+    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None],
+                         generation_config=gen_config)
+    generated = out.sequences[0, prompt.numel():]
+    step_logits = torch.stack([s[0].float() for s in out.logits])
+    if generated.numel() != NEW_TOKENS or not torch.equal(step_logits.argmax(-1), generated):
+        raise RuntimeError("generate did not produce the greedy tokens of its own logits")
+    uncached_ids, max_abs_diff = [], []
+    for t in range(NEW_TOKENS):  # uncached forward over prompt + the cached run's first t tokens
+        seq = torch.cat([prompt, generated[:t]])
+        last = model(input_ids=seq[None], use_cache=False).logits[0, -1].float()
+        uncached_ids.append(int(last.argmax()))
+        max_abs_diff.append(float((last - step_logits[t]).abs().max()))
+    uncached = torch.tensor(uncached_ids)
+    return {
+        "prompt_ids": prompt.numpy().astype(np.int32),
+        "prompt_logits": prompt_logits.numpy().astype(np.float32),
+        "generated_ids": generated.numpy().astype(np.int32),
+        "generated_logits": step_logits.numpy().astype(np.float32),
+        "generated_margins": _top2_margin(step_logits).numpy().astype(np.float32),
+        "uncached_step_ids": uncached.numpy().astype(np.int32),
+        "cached_uncached_agree": (uncached == generated).numpy(),
+        "cached_uncached_max_abs_diff": np.asarray(max_abs_diff, np.float32),
+    }
+
+
+def check_reload(cls, out_dir: Path, model) -> torch.nn.Module:
+    """Load the saved directory back; every tensor must round-trip and none may be missing."""
+    loaded, info = cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager",
+                                       output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
+        {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {})
+    if problems:
+        raise RuntimeError(f"{out_dir.name}: reload reported {problems}")
+    want, got = model.state_dict(), loaded.state_dict()
+    for name, tensor in want.items():
+        if not torch.equal(tensor, got[name]):
+            raise RuntimeError(f"{out_dir.name}: {name} changed on save/load")
+    return loaded.eval()
+
+
+def make_fixture(name: str, spec: dict, build, out_root: Path, reference=None) -> dict:
+    model, cls, extra = build(spec)
+    out_dir = out_root / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.iterdir():
+        stale.unlink()
+    model.save_pretrained(out_dir)
+    add_tensors(out_dir / "model.safetensors", extra)
+    size = (out_dir / "model.safetensors").stat().st_size
+    if size > CHECKPOINT_LIMIT_BYTES:
+        raise RuntimeError(f"{name}: model.safetensors is {size} bytes, over {CHECKPOINT_LIMIT_BYTES}")
+    model = check_reload(cls, out_dir, model)
+
+    def prompt_from(seed: int) -> torch.Tensor:
+        return torch.randint(0, VOCAB, (spec["prompt_len"],), generator=torch.Generator().manual_seed(seed))
+
+    ref = (reference or reference_outputs)(model, prompt_from(spec.get("prompt_seed", spec["seed"] + 2000)))
+    write_npz(out_dir / "reference.npz", ref)
+    for tag, seed in spec.get("extra_prompt_seeds", {}).items():  # more prompts on the same checkpoint
+        extra_ref = (reference or reference_outputs)(model, prompt_from(seed))
+        write_npz(out_dir / f"reference_{tag}.npz", extra_ref)
+        if reference is dsv4_reference:
+            log.info("%s", json.dumps({"fixture": f"{name}/{tag}", **dsv4_fixtures.summary(extra_ref)}))
+    summary = {
+        "fixture": name, "safetensors_bytes": size, "prompt_len": spec["prompt_len"],
+        "prompt_logit_std": round(float(ref["prompt_logits"].std()), 3),
+        "margins_below_2e-3": int((ref["generated_margins"] < 2e-3).sum()),
+        "min_margin": round(float(ref["generated_margins"].min()), 5),
+        "cached_uncached_disagree_steps": [int(i) for i in np.flatnonzero(~ref["cached_uncached_agree"])],
+        "cached_uncached_max_abs_diff": float(ref["cached_uncached_max_abs_diff"].max()),
+    }
+    if reference is dsv4_reference:
+        summary.update(dsv4_fixtures.summary(ref))
+    log.info("%s", json.dumps(summary))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/models/data")
+    parser.add_argument("--only", nargs="*", help="fixture names to (re)build; default all")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)  # fixed reduction order, so reruns give identical bytes
+    torch.use_deterministic_algorithms(True)
+    jobs = [(n, s, build_kimi) for n, s in KIMI_FIXTURES.items()]
+    jobs += [(n, s, build_minimax) for n, s in MINIMAX_FIXTURES.items()]
+    jobs += [(n, s, build_dsv4, dsv4_reference) for n, s in dsv4_fixtures.DSV4_FIXTURES.items()]
+    for name, spec, build, *reference in jobs:
+        if args.only and name not in args.only:
+            continue
+        make_fixture(name, spec, build, args.out, *reference)
+
+
+if __name__ == "__main__":
+    main()

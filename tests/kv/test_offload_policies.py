@@ -1,0 +1,126 @@
+"""Retention policies, the recompute cost model and the tiers' eviction score (agentjax/kv/offload/policies.py),
+with the host and disk tiers choosing victims by that score."""
+import numpy as np
+import pytest
+
+from agentjax.errors import InvalidRequestError
+from agentjax.kv.offload.disk import HEADER, DiskTier
+from agentjax.kv.offload.host import HostPageIndex
+from agentjax.kv.offload.policies import (GreedyDualOrder, GroupEntries, IntervalRetention, MarconiRetention,
+                                          RecomputeCost, TierEntryScore, make_retention)
+
+
+def test_interval_retention_stores_every_block_or_the_state_at_the_prompts_end():
+    assert IntervalRetention().select(["a", "b", "c"]).tolist() == [0, 1, 2]
+    assert IntervalRetention(checkpoint=True).select(["a", "b", "c"]).tolist() == [2]
+    assert IntervalRetention(checkpoint=True).select([]).tolist() == []
+
+
+def test_marconi_retention_stores_a_prefix_once_a_second_turn_shares_it():
+    retention = MarconiRetention()
+    assert retention.select(["a", "b", "c"]).tolist() == []  # first sight: nothing
+    assert retention.select(["a", "b", "c", "d"]).tolist() == [0, 1, 2]  # seen twice: the shared prefix
+    assert retention.select(["a", "x"]).tolist() == [0]
+    assert retention.select(np.array([7, 8])).tolist() == []  # numpy keys work too
+    assert retention.select(["p", "q"], branch_point=True).tolist() == [0, 1]  # a branch point: everything
+
+
+def test_marconi_retention_keeps_one_checkpoint_at_the_fork_point_for_states():
+    retention = MarconiRetention(checkpoint=True)
+    retention.select(["a", "b", "c"])
+    assert retention.select(["a", "b", "z"]).tolist() == [1]
+    assert retention.select(["n"], branch_point=True).tolist() == [0]
+
+
+def test_marconi_retention_forgets_the_oldest_keys_beyond_its_bound():
+    retention = MarconiRetention(max_keys=2)
+    retention.select(["a", "b", "c"])  # remembers b, c
+    assert retention.select(["a", "b"]).tolist() == []  # "a" was forgotten: no shared prefix
+    with pytest.raises(InvalidRequestError, match="max_keys"):
+        MarconiRetention(max_keys=0)
+
+
+def test_make_retention_by_name():
+    assert isinstance(make_retention("interval"), IntervalRetention)
+    assert isinstance(make_retention("marconi", checkpoint=True), MarconiRetention)
+    with pytest.raises(InvalidRequestError, match="interval or marconi"):
+        make_retention("always")
+
+
+def test_recompute_cost_counts_linear_and_attention_flops():
+    cost = RecomputeCost(active_params=10, attention_flops_per_pair=2)
+    # tokens 3 and 4 with 3 cached: 2*10*2 linear + 2 * (2*3 + 2*3/2) attention pairs
+    assert float(cost.token_flops(3, 2)) == 58.0
+    assert float(cost.flops_per_byte(3, 2, entry_bytes=4)) == 14.5
+    # a state checkpoint after 5 tokens saves the whole prefix: 2*10*5 + 2 * 15
+    assert float(cost.flops_per_byte(3, 2, entry_bytes=4, checkpoint=True)) == 32.5
+    assert RecomputeCost.for_model(1e9, num_attention_layers=2, num_heads=4, head_dim=8).attention_flops_per_pair == 256
+    scorer = cost.block_scorer(block_tokens=2, block_bytes=4)
+    assert scorer(np.array([0, 1])).tolist() == [float(cost.token_flops(0, 2)) / 4, float(cost.token_flops(2, 2)) / 4]
+    with pytest.raises(InvalidRequestError, match="entry_bytes"):
+        cost.flops_per_byte(0, 1, entry_bytes=0)
+    with pytest.raises(InvalidRequestError, match="active_params"):
+        RecomputeCost(-1, 0)
+
+
+COST = RecomputeCost(active_params=1e6, attention_flops_per_pair=1e3)
+
+
+def test_tier_entry_score_weighs_heads_states_and_compressed_entries_against_their_bytes():
+    kv_page, state, compressed = GroupEntries(16, 4096), GroupEntries(16, 4096, checkpoint=True), GroupEntries(64, 4096)
+    score = TierEntryScore(COST, [kv_page, state, compressed])
+    # A KV page saves the rest of its turn (a hit stops at the first missing page): heads before tails.
+    assert score(0, 0, 8) > score(0, 4, 8) > score(0, 7, 8)
+    assert score(0, 7, 8) == pytest.approx(COST.token_flops(7 * 16, 16) / 4096)
+    # A state checkpoint saves its whole prefix, so a late one outweighs the KV page beside it.
+    assert score(1, 7, 8) == pytest.approx(COST.token_flops(0, 8 * 16) / 4096)
+    assert score(1, 7, 8) > score(0, 7, 8)
+    # A compressed entry covers 4x the tokens in the same bytes.
+    assert score(2, 7, 8) > 3 * score(0, 7, 8)
+    with pytest.raises(InvalidRequestError, match="bytes_per_page"):
+        TierEntryScore(COST, [GroupEntries(16, 0)])
+
+
+def test_greedy_dual_evicts_the_lowest_score_first_and_is_lru_among_equals():
+    order = GreedyDualOrder()
+    for key, score in (("a", 1.0), ("b", 1.0), ("state", 5.0), ("c", 1.0)):
+        order.add(key, score)
+    order.touch("a")  # used again: it goes after b and c
+    assert [order.pop(), order.pop(), order.pop()] == ["b", "c", "a"]
+    assert order.inflation == 1.0  # the last victim's priority
+    for key in ("d", "e", "f"):  # newer cheap entries go before the state while its score covers
+        order.add(key, 1.0)
+        assert order.pop() == key
+    assert "state" in order and order.inflation == 4.0
+    order.add("h", 2.0)
+    assert order.pop() == "state"  # its priority (0 + 5) is now below h's (4 + 2)
+    order.remove("h")
+    with pytest.raises(KeyError):
+        order.pop()
+
+
+def test_a_scored_host_group_evicts_its_cheapest_entry_not_its_oldest():
+    host = HostPageIndex(num_groups=1, num_slots=4)  # 3 usable slots
+    scored = HostPageIndex(num_groups=1, num_slots=4, scored=True)
+    for index in (host, scored):
+        index.assign((0, b"head"), 9.0)  # oldest, but costly to recompute
+        index.assign((0, b"tail"), 1.0)
+        index.assign((0, b"middle"), 4.0)
+        index.assign((0, b"new"), 1.0)  # full: one goes
+    assert not host.contains((0, b"head")) and host.contains((0, b"tail"))  # LRU: the oldest
+    assert scored.contains((0, b"head")) and not scored.contains((0, b"tail"))  # the lowest score
+    scored.drop((0, b"middle"))
+    assert scored.assign((0, b"x"), 1.0) == scored.slot((0, b"x")) and len(scored) == 3
+
+
+def test_a_scored_disk_tier_evicts_its_cheapest_page_file_under_the_cap(tmp_path):
+    payload = bytes(1000)
+    tier = DiskTier(tmp_path, "ns", capacity_bytes=3 * (HEADER.size + 1000), scored=True)
+    tier.write((0, b"s" * 32), payload, score=50.0)  # a state checkpoint: oldest, but worth keeping
+    tier.write((0, b"t" * 32), payload, score=1.0)
+    tier.write((1, b"c" * 32), payload, score=20.0)
+    tier.write((0, b"n" * 32), payload, score=2.0)  # over the cap: the cheapest file goes
+    assert tier.contains((0, b"s" * 32)) and tier.contains((1, b"c" * 32)) and tier.contains((0, b"n" * 32))
+    assert not tier.contains((0, b"t" * 32)) and not (tmp_path / "ns" / "g0" / f"{(b't' * 32).hex()}.kvp").exists()
+    restarted = DiskTier(tmp_path, "ns", capacity_bytes=3 * (HEADER.size + 1000), scored=True)
+    assert len(restarted) == 3  # the index is rebuilt from the files; their scores start at 0

@@ -1,0 +1,97 @@
+"""Token budgets as vLLM sets them, on the fake engine: the context left when max_tokens is omitted,
+vLLM's 400 naming both numbers beyond it, and the operator's cap only when one is set."""
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from agentjax.server.app import create_app
+from agentjax.server.serving import ServerLimits
+from tests.server.fakes import FakeEngine, FakeTokenizer
+
+MODEL = "fake-model"
+
+
+class RecordingEngine(FakeEngine):
+    """Remembers each request's sampling settings."""
+
+    def __init__(self):
+        super().__init__()
+        self.samplings = []
+
+    def add_request(self, prompt, sampling, request_id=None, **kwargs):
+        self.samplings.append(sampling)
+        return super().add_request(prompt, sampling, request_id, **kwargs)
+
+
+def client_for(limits: ServerLimits = ServerLimits()) -> TestClient:
+    engine = RecordingEngine()
+    client = TestClient(create_app(engine, FakeTokenizer(), model_name=MODEL, limits=limits))
+    client.engine = engine
+    return client
+
+
+def chat(content: str, **fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+PROMPT_LEN = len("<user>hello<assistant>")  # FakeTokenizer: one token per character
+
+
+def test_an_omitted_max_tokens_is_the_context_left_after_the_prompt():
+    with client_for() as client:
+        body = client.post("/v1/chat/completions", json=chat("hello")).json()
+        assert client.engine.samplings[-1].max_tokens == FakeEngine.max_model_len - PROMPT_LEN
+        assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_budget_that_fits_the_context_is_accepted_whatever_its_size():
+    with client_for() as client:
+        left = FakeEngine.max_model_len - PROMPT_LEN
+        response = client.post("/v1/chat/completions", json=chat("hello", max_completion_tokens=left))
+        assert response.status_code == 200 and client.engine.samplings[-1].max_tokens == left
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_budget_over_the_context_left_is_vllms_400_naming_both_numbers(field):
+    with client_for() as client:
+        asked = FakeEngine.max_model_len - PROMPT_LEN + 1
+        response = client.post("/v1/chat/completions", json=chat("hello", **{field: asked}))
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["message"] == (
+            f"'{field}' is too large: {asked}. This model's maximum context length is 256 tokens and your "
+            f"request has {PROMPT_LEN} input tokens ({asked} > 256 - {PROMPT_LEN})")
+        assert error["param"] == field and error["code"] == "context_length_exceeded"
+
+
+def test_a_text_completion_over_the_context_gets_the_same_400():
+    with client_for() as client:
+        response = client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 253})
+        assert response.status_code == 400 and "(253 > 256 - 4)" in response.json()["error"]["message"]
+
+
+def test_the_operator_cap_applies_only_when_set():
+    with client_for(ServerLimits(max_tokens_limit=32)) as client:
+        response = client.post("/v1/chat/completions", json=chat("hello", max_tokens=33))
+        assert response.status_code == 400 and "--max-tokens-limit" in response.json()["error"]["message"]
+        client.post("/v1/chat/completions", json=chat("hello"))
+        assert client.engine.samplings[-1].max_tokens == 32  # an omitted budget stops at the cap too
+    with client_for() as client:
+        assert client.post("/v1/chat/completions", json=chat("hello", max_tokens=200)).status_code == 200
+
+
+def test_a_prompt_that_fills_the_context_is_a_400_in_vllms_words():
+    with client_for() as client:
+        response = client.post("/v1/chat/completions", json=chat("x" * 240))
+        assert response.status_code == 400
+        message = response.json()["error"]["message"]
+        assert message.startswith("This model's maximum context length is 256 tokens. However, your request has 257")
+
+
+def test_a_server_default_budget_applies_only_to_requests_without_one():
+    with client_for(ServerLimits(default_max_tokens=7)) as client:
+        client.post("/v1/chat/completions", json=chat("hello"))
+        client.post("/v1/chat/completions", json=chat("hello", max_tokens=50))
+        client.post("/v1/chat/completions", json=chat("x" * 236))  # 3 tokens of context left
+        assert [s.max_tokens for s in client.engine.samplings] == [7, 50, 3]

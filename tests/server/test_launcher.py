@@ -1,0 +1,24 @@
+"""agentjax/server/launcher.py: `agentjax serve` flags reach the engine settings (no server started)."""
+from __future__ import annotations
+
+from agentjax.cli import _engine_args, build_parser
+from agentjax.server.launcher import engine_config_from_args
+
+
+def test_parallel_and_process_flags_reach_the_engine_config():
+    args = build_parser().parse_args([
+        "serve", "--model", "preset:tiny-dense", "--tensor-parallel-size", "4", "--decode-context-parallel-size", "2",
+        "--data-parallel-size", "2", "--enable-expert-parallel", "--prefill-context-parallel-size", "1",
+        "--coordinator-address", "127.0.0.1:4321", "--num-processes", "2", "--process-id", "1",
+    ])
+    cfg = engine_config_from_args(args, _engine_args(args))
+    assert (cfg.tensor_parallel_size, cfg.decode_context_parallel_size, cfg.data_parallel_size) == (4, 2, 2)
+    assert cfg.enable_expert_parallel and cfg.prefill_context_parallel_size == 1
+    assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("127.0.0.1:4321", 2, 1)
+    assert cfg.extra == {}
+
+
+def test_vllm_short_flags_are_accepted():
+    args = build_parser().parse_args(["serve", "-tp", "2", "-dp", "4", "-dcp", "2", "-pcp", "1"])
+    cfg = engine_config_from_args(args, _engine_args(args))
+    assert cfg.parallel.name == "dp4-tp2-dcp2"
