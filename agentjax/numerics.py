@@ -38,4 +38,7 @@ def dense(x: Float[Array, "rows k"], kernel: Float[Array, "k n"], numerics: str)
     """`x @ kernel`; in "batch_invariant" numerics, computed in fixed blocks of rows."""
     if numerics != "batch_invariant":
         return x @ kernel
+    # A transposed kernel (a tied embedding's `embed.T`) would otherwise fold into the dot when the
+    # map has a single block and stay a separate copy when it loops: two dot kernels, two roundings.
+    kernel = jax.lax.optimization_barrier(kernel)
     return map_row_blocks(lambda block: block @ kernel, x)

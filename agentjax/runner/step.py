@@ -17,6 +17,7 @@ from flax import nnx
 
 from agentjax.config import ModelConfig
 from agentjax.models.params import split_model
+from agentjax.numerics import map_row_blocks
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.logprobs import LOGPROBS_MODES
 from agentjax.runner.extras import PromptLogprobInputs
@@ -101,16 +102,17 @@ def make_sampling_step(cfg: ModelConfig, numerics: str = "fast", greedy_only: bo
     else:
         forward, logits_fn = make_forward(cfg, numerics), make_logits_fn(cfg, numerics)
     step = sampling_step_function(forward, logits_fn, greedy_only, penalties=penalties, logprobs_mode=logprobs_mode,
-                                  prompt_logprobs=prompt_logprobs, drafter=drafter)
+                                  prompt_logprobs=prompt_logprobs, drafter=drafter, numerics=numerics)
     return jax.jit(step, donate_argnums=(1,))
 
 
 def sampling_step_function(forward: Callable, logits_fn: Callable, greedy_only: bool = False, *,
                            penalties: bool = False, logprobs_mode: str | None = None,
-                           prompt_logprobs: bool = False, drafter=None) -> Callable:
-    """The unjitted function behind `make_sampling_step`, over any `forward` and `logits_fn` (the
-    sharded step, sharding/step.py, passes its per-device ones). With a `drafter`, `forward` returns
-    `(hidden, context, kv_pages)` and the drafter's `finish` runs after sampling."""
+                           prompt_logprobs: bool = False, drafter=None, numerics: str = "fast") -> Callable:
+    """The unjitted function behind `make_sampling_step`, over any `forward` and `logits_fn`. With a
+    `drafter`, `forward` returns `(hidden, context, kv_pages)` and the drafter's `finish` runs after
+    sampling. In "batch_invariant" `numerics` the log-softmax runs over fixed row blocks too, so a
+    row's log probabilities do not depend on how many rows share the step."""
     if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
 
@@ -154,10 +156,10 @@ def sampling_step_function(forward: Callable, logits_fn: Callable, greedy_only: 
         aux = {}
         if logprobs_mode is not None:
             source = raw if logprobs_mode.startswith("raw") else processed
-            values = log_probabilities(source, as_logprobs=logprobs_mode.endswith("logprobs"))
+            values = row_log_probabilities(source, logprobs_mode.endswith("logprobs"), numerics)
             aux["sampled"] = gather_logprobs(values, sampled_tokens, MAX_LOGPROBS)
         if prompt_logprobs:
-            aux["prompt"] = _prompt_logprobs(logits_fn, params, hidden, prompt_inputs)
+            aux["prompt"] = _prompt_logprobs(logits_fn, params, hidden, prompt_inputs, numerics)
         return tokens, aux, kv_pages
 
     if penalties or logprobs_mode is not None or prompt_logprobs:
@@ -165,7 +167,15 @@ def sampling_step_function(forward: Callable, logits_fn: Callable, greedy_only: 
     return step
 
 
-def _prompt_logprobs(logits_fn: Callable, params, hidden: jax.Array, inputs: PromptLogprobInputs):
+def row_log_probabilities(logits: jax.Array, as_logprobs: bool, numerics: str) -> jax.Array:
+    """`log_probabilities` of each row; in "batch_invariant" numerics over fixed row blocks (the
+    log-softmax's reductions over the vocabulary are ordered by XLA according to the row count)."""
+    if numerics != "batch_invariant":
+        return log_probabilities(logits, as_logprobs)
+    return map_row_blocks(lambda rows: log_probabilities(rows, as_logprobs), logits)
+
+
+def _prompt_logprobs(logits_fn: Callable, params, hidden: jax.Array, inputs: PromptLogprobInputs, numerics: str):
     """`gather_logprobs` of raw log probabilities at the inputs' positions, a block of positions at a
     time (the logits of every position would be `[tokens, vocab]`)."""
     size = inputs.indices.shape[0]
@@ -175,7 +185,7 @@ def _prompt_logprobs(logits_fn: Callable, params, hidden: jax.Array, inputs: Pro
 
     def one_block(args):
         block_hidden, block_targets = args
-        values = log_probabilities(logits_fn(params, block_hidden))
+        values = row_log_probabilities(logits_fn(params, block_hidden), True, numerics)
         return gather_logprobs(values, block_targets, MAX_LOGPROBS)
 
     chosen, ranks, top_ids, top_values = jax.lax.map(one_block, (chosen_hidden, targets))
