@@ -99,6 +99,31 @@ def test_greedy_dual_evicts_the_lowest_score_first_and_is_lru_among_equals():
         order.pop()
 
 
+def test_greedy_dual_add_many_orders_victims_as_one_add_per_key():
+    rng = np.random.default_rng(3)
+    batched, one_by_one = GreedyDualOrder(), GreedyDualOrder()
+    victims = {id(batched): [], id(one_by_one): []}
+    for round_ in range(60):
+        keys = [f"k{round_}-{i}" for i in range(int(rng.integers(1, 12)))]
+        scores = [float(s) if s > 0.3 else 0.0 for s in rng.random(len(keys)) * 4]  # ties too
+        batched.add_many(keys, scores)
+        for key, score in zip(keys, scores):
+            one_by_one.add(key, score)
+        pops = int(rng.integers(0, 4))
+        for order in (batched, one_by_one):
+            order.touch(keys[0])
+            if round_ % 5 == 0:
+                order.remove(keys[-1])
+            victims[id(order)] += [order.pop() for _ in range(pops) if len(order)]
+    assert victims[id(batched)] == victims[id(one_by_one)] and len(victims[id(batched)]) > 30
+    assert batched.inflation == one_by_one.inflation and len(batched) == len(one_by_one)
+    with pytest.raises(InvalidRequestError, match="score >= 0"):
+        batched.add_many(["x", "y"], [1.0, float("nan")])
+    with pytest.raises(InvalidRequestError, match="score >= 0"):
+        batched.add_many(["x"], [-1.0])
+    assert "x" not in batched
+
+
 def test_a_scored_host_group_evicts_its_cheapest_entry_not_its_oldest():
     host = HostPageIndex(num_groups=1, num_slots=4)  # 3 usable slots
     scored = HostPageIndex(num_groups=1, num_slots=4, scored=True)

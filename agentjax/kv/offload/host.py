@@ -26,7 +26,8 @@ class HostPageIndex:
             raise OffloadTierError(f"the host tier needs at least 2 page slots per KV group, got {num_slots}; "
                                    f"raise host_cache_gb")
         self.num_slots = num_slots
-        self._slots: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(num_groups)]
+        # Unscored, a group's dict keeps its LRU order itself; scored, the GreedyDual order does.
+        self._slots: list[dict[bytes, int]] = [{} if scored else OrderedDict() for _ in range(num_groups)]
         self._free: list[list[int]] = [list(range(num_slots - 1, 0, -1)) for _ in range(num_groups)]
         self._orders = [GreedyDualOrder() for _ in range(num_groups)] if scored else None
         self.evictions = 0
@@ -84,7 +85,7 @@ class HostPageIndex:
         slots, free = self._slots[group], self._free[group]
         order = self._orders[group] if self._orders is not None else None
         count = len(hashes)
-        if count <= len(free) and not any(map(slots.__contains__, hashes)):  # new keys, free slots: in C
+        if count <= len(free) and slots.keys().isdisjoint(hashes):  # new keys, free slots: in C
             out = free[len(free) - count:][::-1]  # the slots `free.pop()` would give, in that order
             del free[len(free) - count:]
             slots.update(zip(hashes, out))

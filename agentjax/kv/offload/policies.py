@@ -204,12 +204,12 @@ class GreedyDualOrder:
     """Victim choice by score and recency (GreedyDual): an entry's priority is the inflation when it was
     added or last used plus its score; the lowest priority goes first and the inflation rises to it,
     so an entry that saves little is evicted soon and one that saves much outlives newer cheap ones
-    only for as long as its score covers. Equal scores give LRU. A heap with lazy deletion."""
+    only for as long as its score covers. Equal scores give LRU. A heap with lazy deletion: a key's
+    live entry is its latest heap tuple (priority, sequence, key, score), older ones are skipped."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Hashable]] = []
-        self._live: dict[Hashable, tuple[float, int]] = {}
-        self._score: dict[Hashable, float] = {}
+        self._heap: list[tuple[float, int, Hashable, float]] = []
+        self._live: dict[Hashable, tuple[float, int, Hashable, float]] = {}
         self._sequence = 0
         self.inflation = 0.0
 
@@ -223,19 +223,18 @@ class GreedyDualOrder:
         """Add `key` (or refresh it with a new score)."""
         if not score >= 0:
             raise InvalidRequestError(f"an eviction score must be >= 0, got {score}")
-        self._score[key] = float(score)
-        self._push(key)
+        self._push(key, float(score))
 
     def add_many(self, keys: Sequence[Hashable], scores: Sequence[float]) -> None:
         """`add` for keys not held yet, in order (one heap rebuild when they are many)."""
-        if len(keys) != len(scores) or not all(score >= 0 for score in scores):
+        scores = list(map(float, scores))
+        if len(keys) != len(scores) or not all(map((0.0).__le__, scores)):  # NaN fails too
             raise InvalidRequestError("add_many needs one score >= 0 per key")
         first = self._sequence + 1
         self._sequence += len(keys)
-        inflation = self.inflation
-        entries = [(inflation + float(score), first + i, key) for i, (key, score) in enumerate(zip(keys, scores))]
-        self._score.update(zip(keys, map(float, scores)))
-        self._live.update((key, (priority, sequence)) for priority, sequence, key in entries)
+        priorities = map(self.inflation.__add__, scores)
+        entries = list(zip(priorities, range(first, first + len(keys)), keys, scores))  # tuples built in C
+        self._live.update(zip(keys, entries))
         if len(entries) * 8 > len(self._heap):
             self._heap += entries
             heapq.heapify(self._heap)
@@ -245,30 +244,30 @@ class GreedyDualOrder:
 
     def touch(self, key: Hashable) -> None:
         """`key` was used: its priority restarts from the current inflation."""
-        if key in self._live:
-            self._push(key)
+        entry = self._live.get(key)
+        if entry is not None:
+            self._push(key, entry[3])
 
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
-        self._score.pop(key, None)
 
     def pop(self) -> Hashable:
         """Take the entry of lowest priority out; KeyError when empty."""
         heap, live = self._heap, self._live
         while heap:
-            priority, sequence, key = heapq.heappop(heap)
-            if live.get(key) == (priority, sequence):
+            entry = heapq.heappop(heap)
+            key = entry[2]
+            if live.get(key) is entry:
                 del live[key]
-                del self._score[key]
-                self.inflation = priority
+                self.inflation = entry[0]
                 return key
         raise KeyError("pop from an empty GreedyDualOrder")
 
-    def _push(self, key: Hashable) -> None:
+    def _push(self, key: Hashable, score: float) -> None:
         self._sequence += 1
-        entry = (self.inflation + self._score[key], self._sequence)
+        entry = (self.inflation + score, self._sequence, key, score)
         self._live[key] = entry
-        heapq.heappush(self._heap, (*entry, key))
+        heapq.heappush(self._heap, entry)
         if len(self._heap) > 4 * len(self._live) + 64:  # drop the stale entries
-            self._heap = [(p, q, k) for k, (p, q) in self._live.items()]
+            self._heap = list(self._live.values())
             heapq.heapify(self._heap)
