@@ -73,6 +73,16 @@ def test_lookup_counts_the_longest_prefix_per_tier(full):
     assert connector.lookup(follow_up) == {"device": 0, "host": 2, "disk": 0, "mooncake": 0}
 
 
+def test_lookup_counts_device_pages_when_no_tier_extends_the_hit(full):
+    kv, connector = full
+    _run_turn(kv, connector, _request("a", range(100, 118)))
+    connector.take_transfers()
+    follow_up = list(range(100, 118)) + [7] * 6
+    assert connector.lookup(follow_up) == {"device": 4, "host": 0, "disk": 0, "mooncake": 0}
+    kv.pool.evict(kv.pool.cached_page(0, kv._prepare(follow_up, None)[1][3]))  # the device loses its last page
+    assert connector.lookup(follow_up) == {"device": 3, "host": 1, "disk": 0, "mooncake": 0}
+
+
 def test_a_load_holds_pages_then_the_admission_hits_the_whole_prefix(full):
     kv, connector = full
     _run_turn(kv, connector, _request("a", range(100, 118)))

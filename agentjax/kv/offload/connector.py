@@ -96,9 +96,11 @@ class OffloadConnector:
         counts = dict.fromkeys(("device", *TIER_NAMES), 0)
         if not hashes:
             return counts
-        if self._any_tier_beyond(hashes, device_hit):  # else the device's own hit is the answer
-            forget_runs(self._union)
-            _, reuse = self.kv._find_hit(hashes, len(token_ids), self._union)
+        if not self._any_tier_beyond(hashes, device_hit):  # the device's own hit is the answer
+            counts["device"] = sum(len(pages) for pages, _ in reuse)
+            return counts
+        forget_runs(self._union)
+        _, reuse = self.kv._find_hit(hashes, len(token_ids), self._union)
         for entries, _ in reuse:  # tier codes are negative, page ids positive: count in C
             in_tiers = 0
             for tier in self.tiers:
