@@ -183,17 +183,17 @@ class KVCacheManager:
             return num_tokens
         return min(num_tokens, num_reserved_tokens)
 
-    def _pages_needed(self, reuse: list, num_tokens: int, num_reserved_tokens: int | None = None) -> tuple[int, int]:
-        new = sum(g.num_new_pages(start, len(pages), self._reserved_tokens(g, num_tokens, num_reserved_tokens))
-                  for g, (pages, start) in zip(self.groups, reuse))
-        return new, self.pool.count_free_among(_flat_pages(reuse))
+    def _new_pages(self, reuse: list, num_tokens: int, num_reserved_tokens: int | None = None) -> int:
+        """Pages an admission takes from the free set beyond the hit's (`reuse`) in every group."""
+        return sum(g.num_new_pages(start, len(pages), self._reserved_tokens(g, num_tokens, num_reserved_tokens))
+                   for g, (pages, start) in zip(self.groups, reuse))
 
     def can_allocate(self, token_ids: Sequence[int], cache_salt: str | None = None,
                      num_reserved_tokens: int | None = None) -> bool:
         """Whether `allocate` would succeed now (no side effects)."""
         _, _, _, reuse = self._prepare(token_ids, cache_salt)
-        new, reused_free = self._pages_needed(reuse, len(token_ids), num_reserved_tokens)
-        return new + reused_free <= self.pool.num_free
+        new = self._new_pages(reuse, len(token_ids), num_reserved_tokens)
+        return new + self.pool.count_free_among(_flat_pages(reuse)) <= self.pool.num_free
 
     # -- request lifecycle -----------------------------------------------------------------------
     def allocate(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
@@ -207,13 +207,13 @@ class KVCacheManager:
         if req_id in self._requests:
             raise InvalidRequestError(f"request {req_id!r} already holds pages; free it first")
         tokens, hashes, hit, reuse = self._prepare(token_ids, cache_salt)
-        new, reused_free = self._pages_needed(reuse, len(tokens), num_reserved_tokens)
-        if new + reused_free > self.pool.num_free:
-            return False
         pool = self.pool
-        order = pool.eviction_order
         reused = _flat_pages(reuse)
-        was_free = reused[pool.ref_counts[reused] == 0] if len(reused) else reused
+        was_free = reused[pool.ref_counts[reused] == 0] if len(reused) else reused  # a hit takes them out
+        new = self._new_pages(reuse, len(tokens), num_reserved_tokens)
+        if new + len(was_free) > pool.num_free:
+            return False
+        order = pool.eviction_order
         undo = AdmissionUndo(was_free, order.positions(was_free), num_tokens=len(tokens), num_hit=hit)
         pool.touch(reused)
         taken_pages = pool.allocate(new, undo.evicted)
