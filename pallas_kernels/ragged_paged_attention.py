@@ -24,8 +24,16 @@ from agentjax.errors import KernelShapeError
 
 from agentjax.numerics import INVARIANT_ROW_BLOCK, map_row_blocks  # noqa: F401 (re-exported)
 
-# Query tokens per block in the fast path: a block inside one sequence shares its page gathers.
+# Query tokens per block in the fast paths of the attention families that build on this module
+# (block-sparse attention): a block inside one sequence shares its page gathers.
 FAST_QUERY_BLOCK = 64
+# Query tokens per block in this module's fast path. A block of one sequence's tokens (a prefill
+# chunk) runs head-major over key blocks of SHARED_PAGES_PER_BLOCK pages: one batched matmul per KV
+# head and key block. Measured on a 2-core CPU for a 1024-token prefill of SmolLM2's attention: 128
+# query tokens over 8-page (128-key) blocks took half the time of 64 tokens over 4-page blocks in
+# the token-major layout.
+SHARED_QUERY_BLOCK = 128
+SHARED_PAGES_PER_BLOCK = 8
 
 # Finite stand-in for -inf in the running max: a fully masked block then leaves the
 # accumulators exactly unchanged (exp(-inf - finite) == 0, exp(0) == 1) instead of making NaN.
@@ -76,6 +84,10 @@ def attend_paged(
     are then gathered once, not once per token.
     """
     shared = token_page_table.ndim == 1
+    if shared:
+        return _attend_shared_table(q, kv_pages, layer, token_page_table, token_positions, sm_scale=sm_scale,
+                                    sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                                    pages_per_block=pages_per_block)
     num_tokens, num_heads, dim = q.shape
     _, _, page_size, kv2, _ = kv_pages.shape
     num_kv_heads = kv2 // 2
@@ -144,6 +156,90 @@ def attend_paged(
     return out.reshape(num_tokens, num_heads, dim).astype(q.dtype), lse.reshape(num_tokens, num_heads)
 
 
+def _attend_shared_table(
+    q: Float[Array, "tokens heads dim"],
+    kv_pages: Float[Array, "layers pages page_size kv2 dim"],
+    layer: int,
+    page_table: Int[Array, " max_pages"],
+    token_positions: Int[Array, " tokens"],
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    sinks: Float[Array, " heads"] | None,
+    pages_per_block: int,
+) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "tokens heads"]]:
+    """`attend_paged` for tokens of one sequence (one shared page table), head-major.
+
+    Query rows are laid out `[kv_heads, tokens * group, dim]` and each key block is gathered once
+    and transposed to `[kv_heads, keys, dim]`, so both products are batched matmuls with the KV head
+    leading (no per-block transposes of the scores). Same arithmetic per score as `attend_paged`'s
+    per-token form; the online softmax runs in the same block order.
+    """
+    num_tokens, num_heads, dim = q.shape
+    _, _, page_size, kv2, _ = kv_pages.shape
+    num_kv_heads = kv2 // 2
+    group = num_heads // num_kv_heads
+    max_pages = page_table.shape[0]
+    pages_per_block = max(1, min(pages_per_block, max_pages))
+    pad = (-max_pages) % pages_per_block
+    if pad:
+        page_table = jnp.pad(page_table, (0, pad))
+    num_blocks = page_table.shape[0] // pages_per_block
+    block_tokens = pages_per_block * page_size
+    rows = num_tokens * group  # row r is token r // group, query head (of its KV head) r % group
+
+    q_heads = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, dim)
+    q_heads = q_heads.transpose(1, 0, 2, 3).reshape(num_kv_heads, rows, dim)
+    row_positions = jnp.repeat(token_positions, group)
+    offsets = jnp.arange(block_tokens, dtype=jnp.int32)
+    last_position = token_positions.max()
+    first_visible = token_positions.min() - sliding_window + 1 if sliding_window is not None else 0
+
+    def body(block, carry):
+        needed = (block * block_tokens <= last_position) & ((block + 1) * block_tokens > first_visible)
+        return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
+
+    def attend_block(block, carry):
+        m, denom, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(page_table, block * pages_per_block, pages_per_block)
+        kv = kv_pages[layer, pages].reshape(block_tokens, kv2, dim).astype(jnp.float32).transpose(1, 0, 2)
+        k, v = kv[:num_kv_heads], kv[num_kv_heads:]
+        key_pos = block * block_tokens + offsets
+        visible = key_pos[None, :] <= row_positions[:, None]
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > (row_positions[:, None] - sliding_window)
+        scores = jnp.einsum("hrd,hsd->hrs", q_heads, k)
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        scores = jnp.where(visible[None], scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(scores - m_new[..., None])
+        denom = denom * alpha + p.sum(axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("hrs,hsd->hrd", p, v)
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((num_kv_heads, rows), _NEG_LARGE, jnp.float32),
+        jnp.zeros((num_kv_heads, rows), jnp.float32),
+        jnp.zeros((num_kv_heads, rows, dim), jnp.float32),
+    )
+    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    if sinks is not None:
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, num_tokens))
+        m_final = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_final)
+        denom = denom * alpha + jnp.exp(sink - m_final)
+        acc = acc * alpha[..., None]
+        m = m_final
+    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]
+    lse = jnp.where(denom == 0, -jnp.inf, m + jnp.log(jnp.where(denom == 0, 1.0, denom)))
+    out = out.reshape(num_kv_heads, num_tokens, group, dim).transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, dim)
+    lse = lse.reshape(num_kv_heads, num_tokens, group).transpose(1, 0, 2).reshape(num_tokens, num_heads)
+    return out.astype(q.dtype), lse
+
+
 def ragged_paged_attention(
     q: Float[Array, "tokens heads dim"],
     k: Float[Array, "tokens kv_heads dim"],
@@ -192,14 +288,16 @@ def ragged_paged_attention(
         return (out, kv_pages, lse) if return_lse else (out, kv_pages)
 
     def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
-        # A block of one sequence's tokens (a prefill chunk) gathers its pages once.
+        # A block of one sequence's tokens (a prefill chunk) gathers its pages once, head-major.
         return jax.lax.cond(
             jnp.all(seq_rows == seq_rows[0]),
-            lambda: attend(q_rows, table_rows[0], position_rows),
+            lambda: attend_paged(q_rows, kv_pages, layer, table_rows[0], position_rows, sm_scale=sm_scale,
+                                 sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                                 pages_per_block=SHARED_PAGES_PER_BLOCK),
             lambda: attend(q_rows, table_rows, position_rows),
         )
 
-    block = min(FAST_QUERY_BLOCK, q.shape[0])
+    block = min(SHARED_QUERY_BLOCK, q.shape[0])
     out, lse = map_row_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids, block=block)
     return (out, kv_pages, lse) if return_lse else (out, kv_pages)
 

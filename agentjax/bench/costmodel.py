@@ -23,8 +23,12 @@ from agentjax.ragged_batch import SEQ_BUCKETS, TOKEN_BUCKETS, bucket
 
 PROJECTION = "projection (roofline cost model, not a measurement)"
 GPU_QUERY_TILE = 128  # query tokens of one row that share a KV read in a paged GPU kernel
-REFERENCE_QUERY_TILE = 64  # pallas_kernels/ragged_paged_attention.py FAST_QUERY_BLOCK
-REFERENCE_KEY_BLOCK = 64  # keys the reference gathers per iteration (4 pages of 16)
+# The jnp reference's tiling (pallas_kernels/ragged_paged_attention.py): SHARED_QUERY_BLOCK query
+# tokens per tile; a tile of one sequence reads SHARED_PAGES_PER_BLOCK pages of 16 per iteration, a
+# tile that mixes sequences gathers 4 pages of 16 per token and iteration.
+REFERENCE_QUERY_TILE = 128
+REFERENCE_SHARED_KEY_BLOCK = 128
+REFERENCE_KEY_BLOCK = 64
 
 Rows = Sequence[tuple[int, int]]  # (new tokens, tokens already computed) per row
 
@@ -239,9 +243,11 @@ class CostModel:
         flops = bytes_ = loops = 0.0
         for first in range(0, padded_tokens, REFERENCE_QUERY_TILE):
             tile_pos, tile_own = position[first:first + REFERENCE_QUERY_TILE], owner[first:first + REFERENCE_QUERY_TILE]
-            blocks = math.ceil((int(tile_pos.max()) + 1) / REFERENCE_KEY_BLOCK)
-            entries = float(stream.entries(np.array([blocks * REFERENCE_KEY_BLOCK]))[0])
-            gathers = 1 if (tile_own == tile_own[0]).all() else len(tile_pos)
+            shared = bool((tile_own == tile_own[0]).all())
+            key_block = REFERENCE_SHARED_KEY_BLOCK if shared else REFERENCE_KEY_BLOCK
+            blocks = math.ceil((int(tile_pos.max()) + 1) / key_block)
+            entries = float(stream.entries(np.array([blocks * key_block]))[0])
+            gathers = 1 if shared else len(tile_pos)
             flops += len(tile_pos) * entries * stream.flops_per_entry
             bytes_ += gathers * entries * stream.bytes_per_entry
             loops += blocks
