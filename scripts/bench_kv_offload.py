@@ -148,6 +148,30 @@ def bench_mooncake(args, page_bytes: int) -> list[str]:
             f"| Mooncake get | same | {get:.2f} |"]
 
 
+def _split(section: str) -> tuple[str, list[str]]:
+    """A section's text before its first `### ` subsection, and the subsections (each from its heading)."""
+    head, *subsections = section.split("\n### ")
+    return head.rstrip("\n") + "\n", ["### " + sub.rstrip("\n") + "\n" for sub in subsections]
+
+
+def merge_section(current: str | None, preamble: str | None, subsections: list[str]) -> str:
+    """The section with `preamble` (None: the current one's) and each of `subsections` in place of the
+    current subsection of the same heading; the parts not run this time stay as they were."""
+    old_preamble, old_subsections = _split(current) if current else (None, [])
+    fresh = {sub.splitlines()[0]: sub for sub in subsections}
+    merged = [fresh.pop(sub.splitlines()[0], sub) for sub in old_subsections] + list(fresh.values())
+    return "\n".join([(preamble or old_preamble or SECTION + "\n").rstrip("\n") + "\n", *merged])
+
+
+def _current_section(path: Path) -> str | None:
+    text = path.read_text() if path.exists() else ""
+    if SECTION not in text:
+        return None
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    return text[start:] if end < 0 else text[start:end + 1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
@@ -158,37 +182,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print the section only")
     args = parser.parse_args(argv)
     from bench_kv_offload_parts import bench_kv_manager, bench_scheduler, bench_ttft
+    from benchmarks_md import BENCHMARKS
 
     started_load = _load()
     model = _smollm2_config() if {"copy", "ttft", "disk", "mooncake"} & set(args.parts) else None
     from agentjax.kv.cache_layout import kv_buffer_specs
 
     page_bytes = kv_buffer_specs(model[0], 16)[0].bytes_per_page if model else 737_280
-    rows, notes = [], []
+    rows = []
     if "copy" in args.parts:
         rows += bench_copy(args, model)
     if "disk" in args.parts:
         rows += bench_disk(args, page_bytes)
     if "mooncake" in args.parts:
         rows += bench_mooncake(args, page_bytes)
-    extra = []
+    subsections = []
     if "scheduler" in args.parts:
-        extra += bench_scheduler(args)
+        subsections.append(bench_scheduler(args))
     if "kv-manager" in args.parts:
-        extra += bench_kv_manager(args)
+        subsections.append(bench_kv_manager(args))
     if "ttft" in args.parts:
-        extra += bench_ttft(args, model)
+        subsections.append(bench_ttft(args, model))
     command = "python scripts/bench_kv_offload.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [SECTION, "", f"Written by `{command.strip()}`.",
-             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared with other agents, Python "
-             f"{platform.python_version()}, run on {time.strftime('%Y-%m-%d')}; load average {started_load} at the "
-             f"start and {_load()} at the end, so the times are noisy. On this CPU-only machine `device` and "
-             f"`pinned_host` memory are both host RAM: the copy rows measure the jitted gather/scatter path, "
-             f"not PCIe.", ""]
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs shared with other agents, Python "
+               f"{platform.python_version()}, run on {time.strftime('%Y-%m-%d')}; load average {started_load} at the "
+               f"start and {_load()} at the end")
+    preamble = None
     if rows:
-        lines += ["| transfer | pages | GB/s (median) |", "|---|---|---|", *[r for r in rows if r.startswith("|")], ""]
-    lines += extra + notes
-    body = "\n".join(lines) + "\n"
+        preamble = "\n".join([
+            SECTION, "", f"Written by `{command.strip()}`.",
+            f"Machine: {machine}. On this CPU-only machine `device` and `pinned_host` memory are both host RAM: the "
+            "copy rows measure the jitted gather/scatter path, not PCIe.", "",
+            "| transfer | pages | GB/s (median) |", "|---|---|---|", *[r for r in rows if r.startswith("|")]]) + "\n"
+    # Each subsection says which run wrote it: a run of some parts leaves the others as they were.
+    stamp = f"Written by `{command.strip()}`; {machine}."
+    subsections = ["\n".join([lines[0], "", stamp, *lines[1:]]).rstrip("\n") + "\n" for lines in subsections]
+    body = merge_section(_current_section(BENCHMARKS), preamble, subsections)
     print(body)
     if not args.no_write:
         from benchmarks_md import write_section

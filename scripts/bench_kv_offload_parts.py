@@ -29,6 +29,7 @@ def _run_scheduler(offload: bool, sessions: int, concurrency: int, turns: int, s
     from agentjax.kv import FullAttentionSpec, KVCacheManager
     from agentjax.kv.offload.connector import OffloadConnector
     from agentjax.kv.offload.host import HostPageIndex
+    from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryScore
     from agentjax.kv.policy_order import engine_eviction_order
     from agentjax.sampling_params import SamplingParams
     from agentjax.scheduler.request import Request, RequestState
@@ -38,7 +39,10 @@ def _run_scheduler(offload: bool, sessions: int, concurrency: int, turns: int, s
     # The engine's eviction order (its default KV policy, which hears the session turn ends) in both modes.
     kv = KVCacheManager.from_specs([FullAttentionSpec()], device_pages, 16, cache_on_allocate=False,
                                    eviction_order=engine_eviction_order("hints"))
-    connector = OffloadConnector(kv, host=HostPageIndex(1, 40_000, scored=True)) if offload else None
+    # As the engine builds it (agentjax.runner.offload_worker.build_offload): a scored host tier and the
+    # recompute score of SmolLM2-135M (30 layers, 9 query heads of 64; 737,280-byte float32 pages of 16 tokens).
+    score = TierEntryScore(RecomputeCost.for_model(134.5e6, 30, 9, 64), [GroupEntries(16, 737_280)])
+    connector = OffloadConnector(kv, host=HostPageIndex(1, 40_000, scored=True), entry_score=score) if offload else None
     scheduler = Scheduler(EngineConfig(max_num_batched_tokens=2048, max_num_seqs=64), kv, offload=connector)
     prompts = {s: [rng.randrange(100, 40_000) for _ in range(2000)] for s in range(sessions)}
     turn_of = dict.fromkeys(range(sessions), 0)
@@ -79,7 +83,7 @@ def _run_scheduler(offload: bool, sessions: int, concurrency: int, turns: int, s
                 start(pending.pop(0))
     stats = kv.stats()
     return {"steps": len(step_times), "mean_us": 1e6 * statistics.fmean(step_times),
-            "median_us": 1e6 * statistics.median(step_times), "hit_rate": stats["hit_rate"],
+            "median_us": 1e6 * statistics.median(step_times), "hit_rate": stats["hit_rate"], "hits": stats["hits"],
             "loads": loads, "pages_loaded": connector.stats.get("pages_loaded", "host") if offload else 0}
 
 
@@ -87,14 +91,16 @@ def bench_scheduler(args) -> list[str]:
     lines = ["### Scheduler step time, offload connector off and on",
              "", "48 agent sessions of 5 turns (2,000-token first prompt, +300 tokens and a reply of 24 or 256 tokens "
              "per turn), 16 in flight, through the real Scheduler and KVCacheManager (pages of 16 tokens, the "
-             "engine's default KV policy `hints`; a 40,000-page host tier evicting by recompute score, interval "
-             "retention); loads complete at once (an idle worker), so the figure "
-             "is the host-side cost: schedule + update_from_output + turn ends per step. With 20,000 device "
-             "pages nothing is evicted (the connector's overhead: lookups and stores); with 3,000 the tier "
-             "serves evicted prefixes (the connector's work: staging loads too). Medians over "
-             f"{args.repeats} runs, runs of the two modes interleaved.", "",
+             "engine's default KV policy `hints`; as the engine builds the connector: a 40,000-page host tier "
+             "evicting by SmolLM2-135M's recompute score, interval retention); loads complete at once (an idle "
+             "worker), so the figure is the host-side cost: schedule + update_from_output + turn ends per step. "
+             "With 20,000 device pages nothing is evicted, so on / off is the connector's overhead (a lookup at "
+             "each admission, the store selection and host slots at each turn end); with 3,000 the tier serves "
+             f"evicted prefixes (the connector's work: staging loads too). Medians over {args.repeats} runs, runs "
+             "of the two modes interleaved.", "",
              "| device pages | reply tokens | offload | steps | mean step µs | median step µs | device+host hit rate "
              "| loads (pages) | on / off (mean, median) |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for device_pages, reply in ((20_000, 24), (20_000, 256), (3_000, 24)):
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for _ in range(args.repeats):
@@ -109,7 +115,18 @@ def bench_scheduler(args) -> list[str]:
             lines.append(f"| {device_pages:,} | {reply} | {'on' if mode else 'off'} | {r['steps']} | "
                          f"{means[mode]:.0f} | {medians[mode]:.0f} | {r['hit_rate']:.3f} | "
                          f"{r['loads']} ({r['pages_loaded']}) | {ratio} |")
-    return lines + [""]
+        on, off = runs[True][0], runs[False][0]
+        if on["pages_loaded"]:
+            extra_ms = (means[True] * on["steps"] - means[False] * off["steps"]) / 1e3
+            notes.append(f"With {device_pages:,} device pages and replies of {reply} tokens the tier gave back "
+                         f"{on['pages_loaded']:,} pages in {on['loads']} loads, so the on run reuses "
+                         f"{on['hits'] - off['hits']:,} prompt tokens that the off run recomputes (no model runs "
+                         f"here: that recompute is not in the off figures); the on run's host side spends "
+                         f"{extra_ms:.1f} ms more in all, {1e3 * extra_ms / on['pages_loaded']:.1f} µs per page it "
+                         "brings back (the lookups into the tier, planning and staging each load, caching the "
+                         "loaded pages, the longer prefix at admission); compare the recompute it saves in the "
+                         "cached-turn TTFT table below.")
+    return lines + [""] + notes + ([""] if notes else [])
 
 
 # -- the KV manager harness -----------------------------------------------------------------------------
