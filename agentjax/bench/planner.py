@@ -93,11 +93,14 @@ class SaturationPlan:
 
 
 def _level_figures(summary: dict, lanes: int, duration_s: float) -> dict:
-    """A level's figures; requests/s over the span of its requests, never shorter than the run
-    (a handful of requests in a short span would otherwise look fast)."""
+    """A level's figures; requests/s and TPGS over the span of its requests, never shorter than the
+    run (a handful of requests in a short span would otherwise look fast)."""
     figures = {"lanes": lanes, **{key: summary.get(key) for key in LEVEL_KEYS}}
-    span = max(summary.get("wall_time_s") or 0.0, duration_s)
+    wall = summary.get("wall_time_s") or 0.0
+    span = max(wall, duration_s)
     figures["rps"] = summary["requests"] / span if summary["requests"] else 0.0
+    if figures["tpgs"] and wall > 0:  # the summary's TPGS is over the requests' own span
+        figures["tpgs"] *= wall / span
     return figures
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from agentjax.bench.costmodel import Layout
 from agentjax.bench.model_shapes import FULL_SIZE_SHAPES, get_shape
-from agentjax.bench.planner import candidate_layouts, merge_saturation, pd_sweep
+from agentjax.bench.planner import _level_figures, candidate_layouts, merge_saturation, pd_sweep
 from agentjax.errors import InvalidRequestError
 from agentjax.cli import main
 
@@ -104,3 +104,13 @@ def test_saturation_then_pd_write_json_and_png(tmp_path):
     result = json.loads((out / "pd.json").read_text())
     assert result["gpus"] == 2 and result["pareto"]
     assert {p["kind"] for p in result["points"]} == {"pd", "colocated"}
+
+
+def test_a_level_counts_requests_and_tokens_over_at_least_the_run():
+    # one request that took 0.2 s of a 20 s run: 5 req/s and 5,000 TPGS over its own span
+    summary = {"requests": 1, "wall_time_s": 0.2, "tpgs": 5000.0, "p90_interactivity": 10.0, "errors": 0}
+    figures = _level_figures(summary, lanes=1, duration_s=20.0)
+    assert figures["rps"] == pytest.approx(1 / 20.0)
+    assert figures["tpgs"] == pytest.approx(5000.0 * 0.2 / 20.0)
+    longer = _level_figures({**summary, "wall_time_s": 30.0, "tpgs": 40.0}, lanes=1, duration_s=20.0)
+    assert longer["rps"] == pytest.approx(1 / 30.0) and longer["tpgs"] == pytest.approx(40.0)
