@@ -131,6 +131,9 @@ class PrefixHashMemo:
         if candidates:
             self._by_first_block.move_to_end(first)
             for memo in candidates:
+                most = min(len(memo.tokens) // block_size, num_blocks, len(memo.hashes))
+                if best is not None and most <= best_blocks:
+                    continue  # it cannot share more blocks than the best so far: no need to compare
                 common = _common_full_blocks(memo.tokens, tokens, block_size, len(memo.hashes))
                 if best is None or common > best_blocks:
                     best, best_blocks = memo, max(common, 1)
