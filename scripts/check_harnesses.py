@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -103,13 +104,22 @@ def access_entries(log_path: Path, start: int) -> tuple[list[dict], int]:
 
 
 def run(command: list[str], env: dict, cwd: Path, log: Path, timeout: float) -> int:
+    """Run one harness invocation; past `timeout`, stop it and every process it started (Codex's npm
+    launcher runs the real binary as a child, which would otherwise keep its request open)."""
     with log.open("ab") as out:
         out.write(f"$ {' '.join(command)}\n".encode())
         out.flush()
+        process = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            return subprocess.run(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, timeout=timeout).returncode
+            return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
             out.write(b"(timed out)\n")
             return 124
 

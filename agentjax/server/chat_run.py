@@ -191,14 +191,20 @@ class ChatRun:
         self.sampling = sampling
         self.parser = parser
         self.forced_calls = forced_calls
-        self.usage: dict | None = None  # token counts are added here when the reply finishes
+        self.usage: dict | None = None  # token counts are added here as the reply runs
         self.counts_prompt = True  # False for a parallel sample after the first: its prompt is counted once
         self.token_ids: list[int] = []  # generated so far
 
     def report_usage_to(self, request: Request) -> ChatRun:
-        """Adds this reply's token counts to the request's access-log entry when it finishes."""
+        """Adds this reply's token counts to the request's access-log entry as they become known
+        (prompt and cached tokens with the first output), so a reply its client left is logged too."""
         self.usage = request.scope.get(USAGE_SCOPE_KEY)
         return self
+
+    def _add_usage(self, **counts) -> None:
+        if self.usage is not None:
+            for key, value in counts.items():
+                self.usage[key] = self.usage.get(key, 0) + value
 
     def abort(self) -> None:
         self.engine.abort(self.request_id)
@@ -210,8 +216,13 @@ class ChatRun:
         buffer = StopTextBuffer(self.sampling.stop)
         calls = _CallSequencer(self.forced_calls)
         completion_tokens, cached, finish_reason, prompt_logprobs = 0, 0, "abort", None
+        first_output = True
         async for output in self.stream:
+            if first_output and self.counts_prompt:
+                self._add_usage(prompt_tokens=self.prompt_tokens, cached_tokens=max(0, output.num_cached_tokens))
+            first_output = False
             completion_tokens += len(output.new_token_ids)
+            self._add_usage(completion_tokens=len(output.new_token_ids))
             self.token_ids.extend(output.new_token_ids)
             cached = max(0, output.num_cached_tokens)
             if getattr(output, "prompt_logprobs", None) is not None:
@@ -239,10 +250,6 @@ class ChatRun:
         if calls.done and finish_reason == "stop":
             finish_reason = "tool_calls"  # a reply cut off by max_tokens still says "length"
         if self.usage is not None:
-            prompt_tokens, cached_tokens = (self.prompt_tokens, cached) if self.counts_prompt else (0, 0)
-            for key, value in (("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens),
-                               ("completion_tokens", completion_tokens)):
-                self.usage[key] = self.usage.get(key, 0) + value
             self.usage["finish_reason"] = finish_reason
         yield Finished(finish_reason, buffer.matched, self.prompt_tokens, completion_tokens, cached, prompt_logprobs)
 

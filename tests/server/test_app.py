@@ -195,6 +195,20 @@ def test_each_request_gets_one_access_log_line_with_its_status_and_token_counts(
     assert lines[2].startswith("POST /v1/completions 200 ") and "prompt_tokens=3 cached_tokens=0 completion_tokens=3" in lines[2]
 
 
+def test_a_stream_its_client_leaves_is_logged_with_its_prompt_and_cached_tokens(client, caplog):
+    with caplog.at_level("INFO", logger="agentjax.server.access"):
+        with client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 60, "stream": True}) as r:
+            next(line for line in r.iter_lines() if '"content":"' in line and '"content":""' not in line)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(
+                record.name == "agentjax.server.access" for record in caplog.records):
+            time.sleep(0.05)
+    lines = [record.getMessage() for record in caplog.records if record.name == "agentjax.server.access"]
+    assert len(lines) == 1 and lines[0].startswith("POST /v1/chat/completions 200 ")
+    assert "prompt_tokens=22 cached_tokens=0 completion_tokens=" in lines[0]
+    assert "completion_tokens=60" not in lines[0]  # it left before the end
+
+
 def test_health_and_metrics_answer_head_probes(client):
     assert client.head("/metrics").status_code == 200
     assert client.head("/health").status_code == 200
