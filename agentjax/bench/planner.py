@@ -172,12 +172,14 @@ def saturation(plan: SaturationPlan, sessions: Sequence[Session], show_progress:
 # ---------------------------------------------------------------- the P/D sweep
 
 def _prefill_ttft(prefill: dict, rps_per_instance: float) -> float | None:
-    """P90 TTFT of the lightest prefill level that carries this load (the heaviest if none does)."""
-    levels = sorted(prefill["levels"], key=lambda lv: lv["rps"])
+    """P90 TTFT of the level with the fewest lanes that carries this load (if none does, the level
+    with the most req/s). A level past the instance's knee (more lanes, fewer req/s, say a KV pool
+    that no longer holds the sessions) never stands for a lighter load."""
+    levels = sorted(prefill["levels"], key=lambda lv: lv["lanes"])
     for level in levels:
         if level["rps"] >= rps_per_instance:
             return level["ttft_p90_s"]
-    return levels[-1]["ttft_p90_s"] if levels else None
+    return max(levels, key=lambda lv: lv["rps"])["ttft_p90_s"] if levels else None
 
 
 def _api_per_token(level: dict, prices: ApiPrices) -> float:

@@ -114,3 +114,17 @@ def test_a_level_counts_requests_and_tokens_over_at_least_the_run():
     assert figures["tpgs"] == pytest.approx(5000.0 * 0.2 / 20.0)
     longer = _level_figures({**summary, "wall_time_s": 30.0, "tpgs": 40.0}, lanes=1, duration_s=20.0)
     assert longer["rps"] == pytest.approx(1 / 30.0) and longer["tpgs"] == pytest.approx(40.0)
+
+
+def test_pd_takes_the_prefill_ttft_of_the_fewest_lanes_that_carry_the_load():
+    # the prefill instance collapses at 32 lanes (fewer req/s, a long TTFT): a load of 4 req/s is
+    # carried at 8 lanes with a 3.5 s TTFT, not by the collapsed level's 21.6 s
+    prefill = {"role": "prefill", "layout": "tp1", "gpus": 1, "max_rps": 5.5,
+               "levels": [level(8, 5.5, None, ttft=3.5), level(32, 4.5, None, ttft=21.6)]}
+    document = {**DOCUMENT, "configs": [prefill, DOCUMENT["configs"][1]]}
+    light = next(p for p in pd_sweep(document, total_gpus=2)["points"] if p["decode_lanes"] == 2)
+    assert light["rps"] == 4.0
+    assert light["p90_interactivity"] == pytest.approx(1 / (1 / 100 + (3.5 + 0.001) / 100))
+    # a load no level carries takes the level with the most req/s
+    heavy = next(p for p in pd_sweep(document, total_gpus=2)["points"] if p["decode_lanes"] == 4)
+    assert heavy["rps"] == 5.5 and heavy["p90_interactivity"] == pytest.approx(1 / (1 / 60 + (3.5 + 0.001) / 100))
