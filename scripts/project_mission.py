@@ -3,6 +3,7 @@
     python scripts/project_mission.py [--models minimax-m3,kimi-k3,deepseek-v4-pro] [--duration 120]
         [--traces ../shared/traces/agentx-dev] [--out-dir plan/mission] [--no-padding]
         [--spec-decode [--num-speculative-tokens K] [--spec-acceptance A1,A2,...]] [--offload] [--router R]
+        [--reuse-saturation]
 
 For each model: saturation profiling (`agentjax sweep saturation`: prefill-only, decode-only and
 colocated instances over the layouts that fit) and the P/D sweep over the mission's GPU budget
@@ -12,6 +13,7 @@ the simulator with unfitted GPU efficiency factors; the assumptions are printed 
 `--spec-decode` adds each model's stated drafter (MTP for DeepSeek-V4-Pro and MiniMax-M3, a draft
 model for Kimi-K3; agentjax/bench/speculation.py) and `--offload` the host and disk KV tiers of the
 GPU table (agentjax/bench/sim_offload.py); both are off by default, as in the earlier figures.
+`--reuse-saturation` runs only the P/D sweep again, on the saturation.json an earlier run left.
 """
 from __future__ import annotations
 
@@ -53,6 +55,23 @@ MISSION = {
 
 def project(name: str, args: argparse.Namespace, out: Path) -> dict:
     mission = MISSION[name]
+    saved = out / "saturation.json"
+    if args.reuse_saturation and saved.is_file():  # the P/D sweep again on the saved profiles
+        document = json.loads(saved.read_text(encoding="utf-8"))
+    else:
+        document = profile(name, args, out)
+    result = pd_sweep(document, mission["gpus"], args.min_interactivity)
+    (out / "pd.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if result["points"]:
+        plot_points(result["points"], result["pareto"], out / "pd.png", args.min_interactivity,
+                    f"P/D sweep: {name} on {mission['gpus']} x {document['device']}",
+                    lambda p: f"{p.get('prefill', '')} {p.get('decode', p.get('instances', ''))}")
+    return result
+
+
+def profile(name: str, args: argparse.Namespace, out: Path) -> dict:
+    """The model's saturation profiles, written to OUT/saturation.{json,png}."""
+    mission = MISSION[name]
     shape, device = get_shape(name), get_device(mission["gpu"])
     engine = EngineConfig(block_size=shape.page_tokens, max_num_batched_tokens=8192, max_num_seqs=256)
     agentx = AgentxConfig(traces=args.traces, lanes=1, context_scale=1.0, duration_s=args.duration,
@@ -86,13 +105,7 @@ def project(name: str, args: argparse.Namespace, out: Path) -> dict:
     if points:
         plot_points(points, document["pareto"], out / "saturation.png", args.min_interactivity,
                     f"Saturation: {name} on {device.name}", lambda p: f"{p['layout']} C={p['lanes']}")
-    result = pd_sweep(document, mission["gpus"], args.min_interactivity)
-    (out / "pd.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    if result["points"]:
-        plot_points(result["points"], result["pareto"], out / "pd.png", args.min_interactivity,
-                    f"P/D sweep: {name} on {mission['gpus']} x {device.name}",
-                    lambda p: f"{p.get('prefill', '')} {p.get('decode', p.get('instances', ''))}")
-    return result
+    return document
 
 
 def describe(point: dict | None) -> str:
@@ -124,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", default=None,
                         help="keep only the profiles of these roles (comma-separated: prefill,decode,mixed)")
     parser.add_argument("--levels", default=None, help="replace every profile's concurrency levels (comma-separated)")
+    parser.add_argument("--reuse-saturation", action="store_true",
+                        help="run only the P/D sweep, on OUT_DIR/MODEL/saturation.json where a run left one")
     args = parser.parse_args(argv)
     args.host_cache_gb = args.disk_cache_gb = 0.0  # options_from_args reads them (the flags are --offload here)
     rows = []
