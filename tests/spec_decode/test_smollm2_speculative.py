@@ -18,7 +18,9 @@ from agentjax.sampling_params import SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 from chi_square import SIGNIFICANCE, chi_square_homogeneity  # noqa: E402
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# 16 tokens hold most of each line's copy; the plain reference runs every session alone, one decode step
+# (of the real model, in batch-invariant numerics) per token, so each token costs 16 steps.
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 LINES = [
     "def area(radius): return 3.14159 * radius * radius",
     "for item in items: total += item.price * item.count",
