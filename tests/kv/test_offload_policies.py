@@ -124,6 +124,15 @@ def test_greedy_dual_add_many_orders_victims_as_one_add_per_key():
     assert "x" not in batched
 
 
+def test_greedy_dual_keeps_its_stale_entries_bounded_when_nothing_is_evicted():
+    order = GreedyDualOrder()
+    order.add_many([f"k{i}" for i in range(10)], [1.0] * 10)
+    for i in range(10_000):  # a tier with free slots: entries are refreshed, none is ever popped
+        order.touch(f"k{i % 10}")
+    assert len(order._heap) + len(order._pending) <= 4 * len(order) + 64 + 1
+    assert [order.pop() for _ in range(3)] == ["k0", "k1", "k2"]  # the least recently touched first
+
+
 def test_a_scored_host_group_evicts_its_cheapest_entry_not_its_oldest():
     host = HostPageIndex(num_groups=1, num_slots=4)  # 3 usable slots
     scored = HostPageIndex(num_groups=1, num_slots=4, scored=True)

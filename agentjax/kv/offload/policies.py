@@ -183,6 +183,8 @@ class TierEntryScore:
         """`score` of many entries of one group at once (numpy)."""
         entries = self.groups[group]
         size = entries.tokens_per_page
+        if isinstance(positions, range):  # a turn's unstored tail: the same floats without a Python loop
+            positions = np.arange(positions.start, positions.stop, positions.step, dtype=np.float64)
         positions = np.asarray(positions, dtype=np.float64)
         if entries.checkpoint:
             flops = self.cost.token_flops(0.0, (positions + 1) * size)
@@ -205,10 +207,12 @@ class GreedyDualOrder:
     added or last used plus its score; the lowest priority goes first and the inflation rises to it,
     so an entry that saves little is evicted soon and one that saves much outlives newer cheap ones
     only for as long as its score covers. Equal scores give LRU. A heap with lazy deletion: a key's
-    live entry is its latest heap tuple (priority, sequence, key, score), older ones are skipped."""
+    live entry is its latest tuple (priority, sequence, key, score), older ones are skipped. New
+    entries wait in a list until a victim is asked for, so a tier with free slots keeps no heap."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Hashable, float]] = []
+        self._pending: list[tuple[float, int, Hashable, float]] = []  # not in the heap yet
         self._live: dict[Hashable, tuple[float, int, Hashable, float]] = {}
         self._sequence = 0
         self.inflation = 0.0
@@ -226,7 +230,7 @@ class GreedyDualOrder:
         self._push(key, float(score))
 
     def add_many(self, keys: Sequence[Hashable], scores: Sequence[float]) -> None:
-        """`add` for keys not held yet, in order (one heap rebuild when they are many)."""
+        """`add` for keys not held yet, in order."""
         scores = list(map(float, scores))
         if len(keys) != len(scores) or not all(map((0.0).__le__, scores)):  # NaN fails too
             raise InvalidRequestError("add_many needs one score >= 0 per key")
@@ -235,12 +239,8 @@ class GreedyDualOrder:
         priorities = map(self.inflation.__add__, scores)
         entries = list(zip(priorities, range(first, first + len(keys)), keys, scores))  # tuples built in C
         self._live.update(zip(keys, entries))
-        if len(entries) * 8 > len(self._heap):
-            self._heap += entries
-            heapq.heapify(self._heap)
-        else:
-            for entry in entries:
-                heapq.heappush(self._heap, entry)
+        self._pending += entries
+        self._drop_stale()
 
     def touch(self, key: Hashable) -> None:
         """`key` was used: its priority restarts from the current inflation."""
@@ -253,6 +253,14 @@ class GreedyDualOrder:
 
     def pop(self) -> Hashable:
         """Take the entry of lowest priority out; KeyError when empty."""
+        if self._pending:  # the heap takes the waiting entries first (one rebuild when they are many)
+            pending, self._pending = self._pending, []
+            if len(pending) * 8 > len(self._heap):
+                self._heap += pending
+                heapq.heapify(self._heap)
+            else:
+                for entry in pending:
+                    heapq.heappush(self._heap, entry)
         heap, live = self._heap, self._live
         while heap:
             entry = heapq.heappop(heap)
@@ -267,7 +275,10 @@ class GreedyDualOrder:
         self._sequence += 1
         entry = (self.inflation + score, self._sequence, key, score)
         self._live[key] = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 4 * len(self._live) + 64:  # drop the stale entries
-            self._heap = list(self._live.values())
-            heapq.heapify(self._heap)
+        self._pending.append(entry)
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Mostly replaced or removed entries: keep the live ones only (the heap is rebuilt at the next pop)."""
+        if len(self._heap) + len(self._pending) > 4 * len(self._live) + 64:
+            self._heap, self._pending = [], list(self._live.values())
