@@ -372,13 +372,8 @@ class OffloadConnector:
     def _stored_prefix(self, group: int, keys: list) -> int:
         """How many leading pages every tier already holds (a binary search: a turn extends an earlier
         turn's prefix, and chained keys name whole prefixes)."""
-        def everywhere(block_hash) -> bool:
-            key = (group, block_hash)
-            return ((self.host is None or self.host.contains(key))
-                    and (self.disk is None or self.disk.contains(key) or not self.health["disk"].storable())
-                    and (self.mooncake is None or key in self._known_remote
-                         or not self.health["mooncake"].storable()))
-
+        tests = self._holder_tests(group)
+        everywhere = tests[0] if len(tests) == 1 else lambda block_hash: all(test(block_hash) for test in tests)
         low, high = 0, len(keys)
         while low < high:
             middle = (low + high + 1) // 2
@@ -387,6 +382,18 @@ class OffloadConnector:
             else:
                 high = middle - 1
         return low
+
+    def _holder_tests(self, group: int) -> list:
+        """For each tier that takes stores now, a test of whether it holds a block of `group` (the host's is
+        its slot dict's own `__contains__`, so the usual probe runs in C)."""
+        tests = []
+        if self.host is not None:
+            tests.append(self.host.group_slots(group).__contains__)
+        if self.disk is not None and self.health["disk"].storable():
+            tests.append(lambda block_hash: self.disk.contains((group, block_hash)))
+        if self.mooncake is not None and self.health["mooncake"].storable():
+            tests.append(lambda block_hash: (group, block_hash) in self._known_remote)
+        return tests
 
     def _add_store_rows(self, job: StoreJob, hashes: list, pages: list, positions, num_blocks: int) -> None:
         """A store job's rows: the pages (block hash, device page, block index in a turn of `num_blocks`
