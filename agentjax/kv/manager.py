@@ -126,25 +126,32 @@ class KVCacheManager:
     def _prepare(self, token_ids, cache_salt: str | None):
         """(tokens, hashes, hit, per-group (reused pages, table start)) for a prompt, memoised for
         the same token list (the same object, or an equal list: the offload connector's check and the
-        admission each build theirs) until the pool changes (lookup then allocate costs one pass)."""
+        admission each build theirs): until the pool changes all four (lookup then allocate costs one
+        pass), after that the tokens and hashes, which depend on the tokens alone (an admission tried
+        again once pages are free only finds its hit again)."""
         last = self._last_prepared
-        if last is not None and last[1] == len(token_ids) and last[2] == cache_salt and last[3] == self.pool.version:
-            if last[0] is token_ids:
-                return last[4]
-            if type(token_ids) is list and type(last[0]) is list and last[0] == token_ids:
-                self._last_prepared = (token_ids, *last[1:])  # the caller's next calls pass this list
-                return last[4]
+        if last is not None and last[1] == len(token_ids) and last[2] == cache_salt and (
+                last[0] is token_ids or type(token_ids) is list and type(last[0]) is list and last[0] == token_ids):
+            if last[3] == self.pool.version:
+                prepared = last[4]
+            else:
+                tokens, hashes = last[4][:2]
+                prepared = (tokens, hashes, *self._find_hit_or_none(hashes, len(tokens)))
+            self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
+            return prepared
         tokens = tokens_as_uint32(token_ids)
         if len(tokens) == 0:
             raise InvalidRequestError("token_ids is empty; a request needs at least one token")
-        if self.enable_caching:
-            hashes = self._memo.hashes(tokens, self._root(cache_salt))
-            hit, reuse = self._find_hit(hashes, len(tokens))
-        else:
-            hashes, hit, reuse = [], 0, [([], 0)] * len(self.groups)
-        prepared = (tokens, hashes, hit, reuse)
+        hashes = self._memo.hashes(tokens, self._root(cache_salt)) if self.enable_caching else []
+        prepared = (tokens, hashes, *self._find_hit_or_none(hashes, len(tokens)))
         self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
         return prepared
+
+    def _find_hit_or_none(self, hashes: list[BlockHash], num_tokens: int) -> tuple[int, list]:
+        """`_find_hit`, or no hit at all when prefix caching is off."""
+        if not self.enable_caching:
+            return 0, [([], 0)] * len(self.groups)
+        return self._find_hit(hashes, num_tokens)
 
     def _find_hit(self, hashes: list[BlockHash], num_tokens: int,
                   groups: Sequence[GroupManager] | None = None) -> tuple[int, list]:
@@ -241,7 +248,6 @@ class KVCacheManager:
             taken += count
         request = RequestKV(req_id, TokenBuffer(tokens), self._root(cache_salt), list(hashes), tables, hit, undo=undo)
         self._requests[req_id] = request
-        self._last_prepared = None
         self.queries += len(tokens)
         self.hits += hit
         if self.cache_on_allocate:
@@ -382,7 +388,6 @@ class KVCacheManager:
             self.pin_request(pin_session, req_id, ttl_s=ttl_s, now=now)
             request.undo = None
         del self._requests[req_id]
-        self._last_prepared = None
         if request.undo is not None:
             self._roll_back(request, request.undo)
             return

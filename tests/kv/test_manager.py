@@ -65,6 +65,23 @@ def test_eviction_takes_the_tail_first_and_the_least_recently_freed_request_firs
     assert m.stats()["evictions"] == 2
 
 
+def test_a_prompt_looked_up_again_after_the_pool_changed_finds_its_new_hit_without_hashing_again():
+    m = KVCacheManager.full_attention(num_blocks=16, block_size=4)
+    prompt = list(range(100, 117))  # 4 full blocks and a token
+    assert m.allocate("a", prompt)
+    m.block_ids("a")
+    m.free("a")
+    assert m.lookup(prompt) == 16
+    hashing = lambda: (m.stats()["blocks_hashed"], m.stats()["blocks_hash_reused"])  # noqa: E731
+    before = hashing()
+    third = m.pool.cached_page(0, m._prepare(prompt, None)[1][2])
+    assert m.pool.evict(third)  # the pool changed: the hit must be found again
+    assert m.lookup(prompt) == 8 and m.lookup(list(prompt)) == 8
+    assert hashing() == before  # the same tokens: their hashes are not looked for again
+    changed = prompt[:14] + [5] + prompt[15:]  # another fourth block: hashed, the first three reused
+    assert m.lookup(changed) == 8 and hashing() == (before[0] + 1, before[1] + 3)
+
+
 def test_allocate_and_append_refuse_without_side_effects_when_pages_run_out():
     m = KVCacheManager.full_attention(num_blocks=5, block_size=4)
     assert not m.can_allocate(list(range(20)))
