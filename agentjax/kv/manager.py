@@ -128,7 +128,8 @@ class KVCacheManager:
         the same token list (the same object, or an equal list: the offload connector's check and the
         admission each build theirs): until the pool changes all four (lookup then allocate costs one
         pass), after that the tokens and hashes, which depend on the tokens alone (an admission tried
-        again once pages are free only finds its hit again)."""
+        again once pages are free only finds its hit again). A list is taken as unchanged while it is the
+        same object of the same length: edit a copy, not a list already passed in."""
         last = self._last_prepared
         if last is not None and last[1] == len(token_ids) and last[2] == cache_salt and (
                 last[0] is token_ids or type(token_ids) is list and type(last[0]) is list and last[0] == token_ids):
