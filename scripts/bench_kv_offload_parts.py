@@ -140,7 +140,7 @@ from agentjax_adapter import AgentjaxKVManagerAdapter
 import vllm_adapter
 from agentjax.kv.offload.connector import OffloadConnector
 from agentjax.kv.offload.host import HostPageIndex
-from agentjax.kv.offload.tiers import OffloadStats
+from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryScore
 ap = argparse.ArgumentParser(); add_workload_args(ap)
 ap.add_argument("-C", type=int, nargs="+"); ap.add_argument("--num-blocks", type=int)
 ap.add_argument("--repeats", type=int)
@@ -150,11 +150,14 @@ max_len = wl.summary()["max_seq_len"]
 
 class Tiered(AgentjaxKVManagerAdapter):
     """agentjax with the tiers on: a host tier of 8x the device; each admission also looks the prompt up
-    in the tiers (counted in lookup), each turn end prepares its stores (counted in free)."""
-    name = "agentjax-tiers-on"
-    def __init__(self, *args, **kwargs):
+    in the tiers (counted in lookup), each turn end prepares its stores (counted in free). `scored`: as
+    the engine builds it, evicting by SmolLM2-135M's recompute score; else an LRU host index."""
+    def __init__(self, *args, scored, **kwargs):
         super().__init__(*args, **kwargs)
-        self.connector = OffloadConnector(self.m, host=HostPageIndex(1, 8 * a.num_blocks))
+        self.name = "agentjax-tiers-on-scored" if scored else "agentjax-tiers-on-lru"
+        score = TierEntryScore(RecomputeCost.for_model(134.5e6, 30, 9, 64), [GroupEntries(16, 737_280)])
+        self.connector = OffloadConnector(self.m, host=HostPageIndex(1, 8 * a.num_blocks, scored=scored),
+                                          entry_score=score if scored else None)
     def try_admit(self, handle):
         req_id, toks, _ = handle
         import time
@@ -177,7 +180,8 @@ for C in a.C:
     for repeat in range(a.repeats):
         for make in (lambda: vllm_adapter.VllmKVManagerAdapter(a.num_blocks, 16, max_len),
                      lambda: AgentjaxKVManagerAdapter(a.num_blocks, 16, max_len),
-                     lambda: Tiered(a.num_blocks, 16, max_len)):
+                     lambda: Tiered(a.num_blocks, 16, max_len, scored=False),
+                     lambda: Tiered(a.num_blocks, 16, max_len, scored=True)):
             wl.synth.clear_cache()
             ad = make()
             res = bench.run_kv_closed_loop(ad, wl, C, None)
@@ -201,13 +205,15 @@ def bench_kv_manager(args) -> list[str]:
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     lines = ["### KV manager per-turn time with the tiers on", "",
              "The harness of `scripts/bench_kv_manager.py` (20 traces, 20,000 pages of 16 tokens, 10 tokens per "
-             "trace block) with a third engine in the same process: agentjax with a host tier of 8x the device "
-             "whose lookups (the longest prefix over device and tiers, `OffloadConnector.lookup`) count in each "
-             "admission and whose store preparation (retention, host slots) counts in each turn end. Medians of "
-             "per-run means; ratio = median of per-run ratios to vLLM.", "",
-             "| C | vLLM µs/turn | agentjax µs/turn | tiers on µs/turn | tiers on / vLLM "
-             "| hit vLLM / agentjax / tiers on |",
-             "|---|---|---|---|---|---|"]
+             "trace block) with two more engines in the same process: agentjax with the tiers on, a host tier of "
+             "8x the device whose lookups (the longest prefix over device and tiers, `OffloadConnector.lookup`) "
+             "count in each admission and whose store preparation (retention, host slots) counts in each turn "
+             "end; its host index evicts LRU, or (scored) by recompute score as the engine builds it "
+             "(SmolLM2-135M's score; the store preparation then also computes the entries' scores and keeps "
+             "their GreedyDual order). Medians of per-run means; ratio = median of per-run ratios to vLLM.", "",
+             "| C | vLLM µs/turn | agentjax µs/turn | tiers on, LRU host µs/turn | / vLLM "
+             "| tiers on, scored host µs/turn | / vLLM | hit vLLM / agentjax / LRU / scored |",
+             "|---|---|---|---|---|---|---|---|"]
     for concurrency in sorted({r["C"] for r in rows}):
         by_engine: dict[str, list[dict]] = {}
         for r in rows:
@@ -215,12 +221,17 @@ def bench_kv_manager(args) -> list[str]:
                 by_engine.setdefault(r["engine"], []).append(r)
         vllm = next(v for k, v in by_engine.items() if k.startswith("vllm"))
         plain = by_engine["agentjax-kvcachemanager"]
-        tiers = by_engine["agentjax-tiers-on"]
-        ratios = [t["turn_us"] / v["turn_us"] for t, v in zip(tiers, vllm)]
+        cells = []
+        for name in ("agentjax-tiers-on-lru", "agentjax-tiers-on-scored"):
+            tiers = by_engine[name]
+            ratios = [t["turn_us"] / v["turn_us"] for t, v in zip(tiers, vllm)]
+            cells.append(f"{statistics.median(r['turn_us'] for r in tiers):.0f} | {statistics.median(ratios):.2f} "
+                         f"({', '.join(f'{x:.2f}' for x in ratios)})")
+        hits = " / ".join(f"{by_engine[name][0]['hit']:.4f}" for name in (
+            next(k for k in by_engine if k.startswith("vllm")), "agentjax-kvcachemanager", "agentjax-tiers-on-lru",
+            "agentjax-tiers-on-scored"))
         med = lambda rs: statistics.median(r["turn_us"] for r in rs)  # noqa: E731
-        lines.append(f"| {concurrency} | {med(vllm):.0f} | {med(plain):.0f} | {med(tiers):.0f} | "
-                     f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) | "
-                     f"{vllm[0]['hit']:.4f} / {plain[0]['hit']:.4f} / {tiers[0]['hit']:.4f} |")
+        lines.append(f"| {concurrency} | {med(vllm):.0f} | {med(plain):.0f} | {cells[0]} | {cells[1]} | {hits} |")
     return lines + [""]
 
 
