@@ -1,5 +1,7 @@
 """Retention policies, the recompute cost model and the tiers' eviction score (agentjax/kv/offload/policies.py),
 with the host and disk tiers choosing victims by that score."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -129,7 +131,7 @@ def test_greedy_dual_keeps_its_stale_entries_bounded_when_nothing_is_evicted():
     order.add_many([f"k{i}" for i in range(10)], [1.0] * 10)
     for i in range(10_000):  # a tier with free slots: entries are refreshed, none is ever popped
         order.touch(f"k{i % 10}")
-    assert len(order._heap) + len(order._pending) <= 4 * len(order) + 64 + 1
+    assert len(order._heap) + len(order._pending_keys) <= 4 * len(order) + 64 + 1
     assert [order.pop() for _ in range(3)] == ["k0", "k1", "k2"]  # the least recently touched first
 
 
@@ -158,3 +160,21 @@ def test_a_scored_disk_tier_evicts_its_cheapest_page_file_under_the_cap(tmp_path
     assert not tier.contains((0, b"t" * 32)) and not (tmp_path / "ns" / "g0" / f"{(b't' * 32).hex()}.kvp").exists()
     restarted = DiskTier(tmp_path, "ns", capacity_bytes=3 * (HEADER.size + 1000), scored=True)
     assert len(restarted) == 3  # the index is rebuilt from the files; their scores start at 0
+
+
+def test_greedy_dual_batches_waiting_for_a_victim_keep_touches_removals_and_order():
+    order = GreedyDualOrder()
+    order.add_many(["a0", "a1", "a2"], [3.0, 1.0, 2.0])
+    order.add_many(["b0", "b1"], [1.0, 0.5])
+    order.touch("a1")  # touched and removed while still waiting in their batches
+    order.remove("b0")
+    order.add("a2", 0.25)  # refreshed with a new score: its first entry is stale
+    # Nothing was popped: no heap, and the key index holds plain numbers the collector does not track.
+    assert order._heap == [] and not gc.is_tracked(order._live)
+    assert len(order) == 4 and "b0" not in order and "a1" in order
+    assert [order.pop() for _ in range(2)] == ["a2", "b1"]  # priorities 0.25, 0.5
+    order.add_many(["c0"], [0.1])  # a batch after the heap exists: inflation is 0.5 now
+    assert [order.pop() for _ in range(3)] == ["c0", "a1", "a0"]  # priorities 0.6, 1 (touched at inflation 0), 3
+    assert order.inflation == 3.0 and len(order) == 0
+    with pytest.raises(KeyError):
+        order.pop()

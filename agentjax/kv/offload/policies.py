@@ -12,8 +12,10 @@ a compressed entry, a state checkpoint), and `GreedyDualOrder` evicts by that sc
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 import numpy as np
@@ -206,14 +208,21 @@ class GreedyDualOrder:
     """Victim choice by score and recency (GreedyDual): an entry's priority is the inflation when it was
     added or last used plus its score; the lowest priority goes first and the inflation rises to it,
     so an entry that saves little is evicted soon and one that saves much outlives newer cheap ones
-    only for as long as its score covers. Equal scores give LRU. A heap with lazy deletion: a key's
-    live entry is its latest tuple (priority, sequence, key, score), older ones are skipped. New
-    entries wait in a list until a victim is asked for, so a tier with free slots keeps no heap."""
+    only for as long as its score covers. Equal scores give LRU.
+
+    A heap with lazy deletion of (priority, sequence, key, score) tuples; a key's live entry is its
+    latest. Until a victim is first asked for (while the heap is empty), new entries wait in parallel
+    lists, oldest first, and a waiting key maps to its sequence number alone: a tier with free slots
+    builds no heap and no per-key tuple, nothing the cyclic garbage collector would have to walk."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Hashable, float]] = []
-        self._pending: list[tuple[float, int, Hashable, float]] = []  # not in the heap yet
-        self._live: dict[Hashable, tuple[float, int, Hashable, float]] = {}
+        self._pending_priorities: list[float] = []  # the waiting entries, by ascending sequence number
+        self._pending_sequences: list[int] = []
+        self._pending_keys: list[Hashable] = []
+        self._pending_scores: list[float] = []
+        # key -> its live entry: the sequence number of a waiting one, or the heap's tuple.
+        self._live: dict[Hashable, int | tuple[float, int, Hashable, float]] = {}
         self._sequence = 0
         self.inflation = 0.0
 
@@ -236,32 +245,42 @@ class GreedyDualOrder:
             raise InvalidRequestError("add_many needs one score >= 0 per key")
         first = self._sequence + 1
         self._sequence += len(keys)
-        priorities = map(self.inflation.__add__, scores)
-        entries = list(zip(priorities, range(first, first + len(keys)), keys, scores))  # tuples built in C
-        self._live.update(zip(keys, entries))
-        self._pending += entries
+        sequences = range(first, first + len(keys))
+        if self._heap:  # evicting already: the entries go into the heap now
+            entries = list(zip(map(self.inflation.__add__, scores), sequences, keys, scores))
+            self._live.update(zip(keys, entries))
+            self._into_heap(entries)
+        else:
+            self._live.update(zip(keys, sequences))
+            self._pending_priorities += map(self.inflation.__add__, scores)
+            self._pending_sequences += sequences
+            self._pending_keys += keys
+            self._pending_scores += scores
         self._drop_stale()
 
     def touch(self, key: Hashable) -> None:
         """`key` was used: its priority restarts from the current inflation."""
         entry = self._live.get(key)
-        if entry is not None:
+        if entry is None:
+            return
+        if type(entry) is tuple:
             self._push(key, entry[3])
+        else:  # waiting: its score sits at its sequence number's place in the waiting lists
+            self._push(key, self._pending_scores[bisect_left(self._pending_sequences, entry)])
 
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
 
     def pop(self) -> Hashable:
         """Take the entry of lowest priority out; KeyError when empty."""
-        if self._pending:  # the heap takes the waiting entries first (one rebuild when they are many)
-            pending, self._pending = self._pending, []
-            if len(pending) * 8 > len(self._heap):
-                self._heap += pending
-                heapq.heapify(self._heap)
-            else:
-                for entry in pending:
-                    heapq.heappush(self._heap, entry)
         heap, live = self._heap, self._live
+        if self._pending_keys:  # the waiting live entries become heap tuples (one rebuild when many)
+            waiting = [entry for entry in zip(self._pending_priorities, self._pending_sequences,
+                                              self._pending_keys, self._pending_scores)
+                       if live.get(entry[2]) == entry[1]]
+            live.update(zip(map(itemgetter(2), waiting), waiting))
+            self._clear_pending()
+            self._into_heap(waiting)
         while heap:
             entry = heapq.heappop(heap)
             key = entry[2]
@@ -273,12 +292,41 @@ class GreedyDualOrder:
 
     def _push(self, key: Hashable, score: float) -> None:
         self._sequence += 1
-        entry = (self.inflation + score, self._sequence, key, score)
-        self._live[key] = entry
-        self._pending.append(entry)
+        if self._heap:
+            entry = (self.inflation + score, self._sequence, key, score)
+            self._live[key] = entry
+            heapq.heappush(self._heap, entry)
+        else:
+            self._live[key] = self._sequence
+            self._pending_priorities.append(self.inflation + score)
+            self._pending_sequences.append(self._sequence)
+            self._pending_keys.append(key)
+            self._pending_scores.append(score)
         self._drop_stale()
 
+    def _into_heap(self, entries: list) -> None:
+        """Heap `entries` (one rebuild when they are many)."""
+        if len(entries) * 8 > len(self._heap):
+            self._heap += entries
+            heapq.heapify(self._heap)
+        else:
+            for entry in entries:
+                heapq.heappush(self._heap, entry)
+
+    def _clear_pending(self) -> None:
+        self._pending_priorities, self._pending_sequences, self._pending_keys, self._pending_scores = [], [], [], []
+
     def _drop_stale(self) -> None:
-        """Mostly replaced or removed entries: keep the live ones only (the heap is rebuilt at the next pop)."""
-        if len(self._heap) + len(self._pending) > 4 * len(self._live) + 64:
-            self._heap, self._pending = [], list(self._live.values())
+        """Mostly replaced or removed entries: keep the live ones only."""
+        if len(self._heap) + len(self._pending_keys) <= 4 * len(self._live) + 64:
+            return
+        live = self._live
+        self._heap = [entry for entry in self._heap if live.get(entry[2]) is entry]
+        heapq.heapify(self._heap)
+        waiting = [entry for entry in zip(self._pending_priorities, self._pending_sequences,
+                                          self._pending_keys, self._pending_scores)
+                   if live.get(entry[2]) == entry[1]]
+        self._clear_pending()
+        for column, values in zip((self._pending_priorities, self._pending_sequences, self._pending_keys,
+                                   self._pending_scores), zip(*waiting)):
+            column += values
