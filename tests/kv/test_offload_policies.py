@@ -178,3 +178,24 @@ def test_greedy_dual_batches_waiting_for_a_victim_keep_touches_removals_and_orde
     assert order.inflation == 3.0 and len(order) == 0
     with pytest.raises(KeyError):
         order.pop()
+
+
+def test_greedy_dual_pop_add_is_a_pop_then_an_add():
+    rng = np.random.default_rng(7)
+    combined, separate = GreedyDualOrder(), GreedyDualOrder()
+    first = [float(s) for s in rng.random(20).round(1)]
+    for order in (combined, separate):
+        order.add_many([f"k{i}" for i in range(20)], first)
+    for step in range(200):
+        key, score = f"n{step}", round(float(rng.random()), 1)  # ties too
+        if step % 7 == 0:  # stale entries on the heap's top: touched and removed keys
+            for order in (combined, separate):
+                order.touch(f"n{step - 1}" if step else "k0")
+                order.remove(f"n{step - 3}")
+        victim = separate.pop()
+        separate.add(key, score)
+        assert combined.pop_add(key, score) == victim
+        assert combined.inflation == separate.inflation and len(combined) == len(separate)
+    with pytest.raises(InvalidRequestError, match="score must be >= 0"):
+        combined.pop_add("x", -1.0)
+    assert "x" not in combined

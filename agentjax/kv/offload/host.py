@@ -98,20 +98,21 @@ class HostPageIndex:
             if block_hash in slots:
                 out.append(0)
                 continue
+            score = scores[row] if scores is not None else 0.0
             if free:
                 slot = free.pop()
+                if order is not None:
+                    order.add(block_hash, score)
             else:
                 if order is None:
                     victim, slot = slots.popitem(last=False)
-                else:
-                    victim = order.pop()
+                else:  # the victim out and the new key in, one heap operation
+                    victim = order.pop_add(block_hash, score)
                     slot = slots.pop(victim)
                 self.evictions += 1
                 if victim in rows:
                     out[rows.pop(victim)] = 0
             slots[block_hash] = slot
-            if order is not None:
-                order.add(block_hash, scores[row] if scores is not None else 0.0)
             rows[block_hash] = row
             out.append(slot)
         return out

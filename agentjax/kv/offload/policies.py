@@ -290,6 +290,30 @@ class GreedyDualOrder:
                 return key
         raise KeyError("pop from an empty GreedyDualOrder")
 
+    def pop_add(self, key: Hashable, score: float = 0.0) -> Hashable:
+        """`pop`, then `add(key, score)` for a key not held (one heap operation for both); the victim."""
+        if not score >= 0:
+            raise InvalidRequestError(f"an eviction score must be >= 0, got {score}")
+        if self._pending_keys or not self._heap:
+            victim = self.pop()
+            self._push(key, float(score))
+            return victim
+        heap, live = self._heap, self._live
+        while live.get(heap[0][2]) is not heap[0]:  # stale entries on top
+            heapq.heappop(heap)
+            if not heap:
+                raise KeyError("pop from an empty GreedyDualOrder")
+        victim = heap[0]
+        del live[victim[2]]
+        self.inflation = victim[0]
+        score = float(score)
+        self._sequence += 1
+        entry = (self.inflation + score, self._sequence, key, score)
+        live[key] = entry
+        heapq.heapreplace(heap, entry)
+        self._drop_stale()
+        return victim[2]
+
     def _push(self, key: Hashable, score: float) -> None:
         self._sequence += 1
         if self._heap:
