@@ -275,9 +275,7 @@ class GreedyDualOrder:
         """Take the entry of lowest priority out; KeyError when empty."""
         heap, live = self._heap, self._live
         if self._pending_keys:  # the waiting live entries become heap tuples (one rebuild when many)
-            waiting = [entry for entry in zip(self._pending_priorities, self._pending_sequences,
-                                              self._pending_keys, self._pending_scores)
-                       if live.get(entry[2]) == entry[1]]
+            waiting = self._live_waiting()
             live.update(zip(map(itemgetter(2), waiting), waiting))
             self._clear_pending()
             self._into_heap(waiting)
@@ -337,6 +335,12 @@ class GreedyDualOrder:
             for entry in entries:
                 heapq.heappush(self._heap, entry)
 
+    def _live_waiting(self) -> list[tuple[float, int, Hashable, float]]:
+        """The waiting entries that are still their key's live one, as heap tuples, oldest first."""
+        live = self._live
+        return [entry for entry in zip(self._pending_priorities, self._pending_sequences, self._pending_keys,
+                                       self._pending_scores) if live.get(entry[2]) == entry[1]]
+
     def _clear_pending(self) -> None:
         self._pending_priorities, self._pending_sequences, self._pending_keys, self._pending_scores = [], [], [], []
 
@@ -347,9 +351,7 @@ class GreedyDualOrder:
         live = self._live
         self._heap = [entry for entry in self._heap if live.get(entry[2]) is entry]
         heapq.heapify(self._heap)
-        waiting = [entry for entry in zip(self._pending_priorities, self._pending_sequences,
-                                          self._pending_keys, self._pending_scores)
-                   if live.get(entry[2]) == entry[1]]
+        waiting = self._live_waiting()
         self._clear_pending()
         for column, values in zip((self._pending_priorities, self._pending_sequences, self._pending_keys,
                                    self._pending_scores), zip(*waiting)):
