@@ -261,10 +261,11 @@ class Scheduler:
             if request.is_finished:
                 heapq.heappop(self._waiting)
                 continue
-            if self.offload is not None and self.offload.hold(request):
+            tokens = request.all_token_ids  # one list for both: the KV manager memoises its hashes by identity
+            if self.offload is not None and self.offload.hold(request, tokens):
                 heapq.heappop(self._waiting)  # parked until a tier has loaded its prefix
                 continue
-            count = self._admit(request, budget, cap)
+            count = self._admit(request, budget, cap, tokens)
             if not count:
                 break
             heapq.heappop(self._waiting)
@@ -324,10 +325,10 @@ class Scheduler:
                 produced.append((request, tokens))
         return produced
 
-    def _admit(self, request: Request, budget: int, cap: int) -> int:
-        """Reserve pages for all the request's tokens (cached prefix reused; window groups only for
-        the first chunk), keeping a watermark. Returns the first chunk's token count, 0 if it must wait."""
-        tokens = request.all_token_ids
+    def _admit(self, request: Request, budget: int, cap: int, tokens: list[int]) -> int:
+        """Reserve pages for all the request's tokens (`tokens`, its `all_token_ids`; cached prefix reused;
+        window groups only for the first chunk), keeping a watermark. Returns the first chunk's token
+        count, 0 if it must wait."""
         kv = self.kv
         hit = kv.lookup(tokens, request.cache_salt)
         request.num_computed_tokens = hit

@@ -133,9 +133,11 @@ class OffloadConnector:
             self._transfers.probes.append((request.request_id, unknown))
             self._held[request.request_id] = _Held(request, "probing", time.monotonic() + self.probe_wait_s)
 
-    def hold(self, request) -> bool:
+    def hold(self, request, token_ids: list[int] | None = None) -> bool:
         """At admission: True when the request must wait (its probe is out, or its prefix is being
-        loaded from a tier, which this call may start). False: admit it now."""
+        loaded from a tier, which this call may start). False: admit it now. `token_ids`: the request's
+        `all_token_ids` when the caller has the list already (the admission that follows passes the same
+        list to the KV manager, which then reuses this call's hashes)."""
         held = self._held.get(request.request_id)
         if held is not None and held.state == "probing":
             if time.monotonic() < held.deadline:
@@ -149,14 +151,13 @@ class OffloadConnector:
             return False
         if held is not None:
             del self._held[request.request_id]
-        return self._stage_load(request)
+        return self._stage_load(request, request.all_token_ids if token_ids is None else token_ids)
 
-    def _stage_load(self, request) -> bool:
+    def _stage_load(self, request, tokens: list[int]) -> bool:
         """Start loading the request's prefix from the tiers if they extend its device hit. One load per
         admission; a pool without room for the staged pages leaves the decision to a later step (the
         admission needs at least as many free pages, so the request waits for room either way)."""
         kv, pool = self.kv, self.kv.pool
-        tokens = request.all_token_ids
         _, hashes, device_hit, _ = kv._prepare(tokens, request.cache_salt)
         self._attempted[request.request_id] = request.num_preemptions
         if device_hit + self.min_load_tokens > len(tokens) - 1:
@@ -357,11 +358,12 @@ class OffloadConnector:
                 positions = range(stored, len(keys))
             if not pages:
                 continue
-            chosen = retention.select(unstored, branch_point=branch)
+            # Interval retention of KV pages keeps every block: no index array to build.
+            chosen = range(len(pages)) if retention.every_block else retention.select(unstored, branch_point=branch)
             if self.host is not None and len(chosen) > self.host.num_slots - 1:
                 chosen = chosen[: self.host.num_slots - 1]
             if len(chosen) < len(pages):
-                picked = chosen.tolist()
+                picked = list(chosen)
                 unstored, pages = [unstored[i] for i in picked], [pages[i] for i in picked]
                 positions = [positions[i] for i in picked]
             job = StoreJob(next(self._ids), group_id, [], [], [])
@@ -398,7 +400,7 @@ class OffloadConnector:
     def _add_store_rows(self, job: StoreJob, hashes: list, pages: list, positions, num_blocks: int) -> None:
         """A store job's rows: the pages (block hash, device page, block index in a turn of `num_blocks`
         blocks) for the tiers that lack them and take stores now, with their eviction scores when the
-        tiers weigh one (computed in one numpy pass)."""
+        tiers weigh one. With the host tier alone the job takes `hashes` and `pages` as they are."""
         group = job.group
         disk = self.disk if self.disk is not None and self.health["disk"].storable() else None
         remote = self._known_remote if self.mooncake is not None and self.health["mooncake"].storable() else None
@@ -409,7 +411,7 @@ class OffloadConnector:
                 kept = [i for i, slot in enumerate(slots) if slot]
                 hashes, pages, slots = [hashes[i] for i in kept], [pages[i] for i in kept], [slots[i] for i in kept]
                 scores = [scores[i] for i in kept] if scores is not None else None
-            job.keys, job.pages, job.host_slots = list(hashes), list(pages), slots
+            job.keys, job.pages, job.host_slots = hashes, pages, slots
             job.scores = scores or []
             return
         for i, block_hash in enumerate(hashes):

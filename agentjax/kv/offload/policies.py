@@ -30,6 +30,7 @@ class RetentionPolicy(Protocol):
     """Decides, at the end of a turn, which of its prompt's blocks a lower tier should store."""
 
     name: str
+    every_block: bool  # whether `select` always keeps every block (then callers may skip calling it)
 
     def select(self, keys: Sequence[Hashable], branch_point: bool = False) -> np.ndarray:
         """Indices (ascending) into `keys`, the prompt's block keys in order, of the blocks to store."""
@@ -44,6 +45,7 @@ class IntervalRetention:
 
     def __init__(self, checkpoint: bool = False):
         self.checkpoint = checkpoint
+        self.every_block = not checkpoint
 
     def select(self, keys: Sequence[Hashable], branch_point: bool = False) -> np.ndarray:
         count = len(keys)
@@ -62,6 +64,7 @@ class MarconiRetention:
     """
 
     name = "marconi"
+    every_block = False
 
     def __init__(self, checkpoint: bool = False, max_keys: int = 10_000_000):
         if max_keys < 1:
@@ -182,26 +185,40 @@ class TierEntryScore:
         self.groups = tuple(groups)
 
     def scores(self, group: int, positions, num_blocks: int) -> list[float]:
-        """`score` of many entries of one group at once (numpy)."""
+        """`score` of many entries of one group at once: plain floats for a turn's usual few new pages,
+        numpy for many (the same expression in the same order, so both give `score`'s floats)."""
         entries = self.groups[group]
-        size = entries.tokens_per_page
-        if isinstance(positions, range):  # a turn's unstored tail: the same floats without a Python loop
-            positions = np.arange(positions.start, positions.stop, positions.step, dtype=np.float64)
-        positions = np.asarray(positions, dtype=np.float64)
         if entries.checkpoint:
-            flops = self.cost.token_flops(0.0, (positions + 1) * size)
-        else:
-            flops = self.cost.token_flops(positions * size, np.maximum(num_blocks - positions, 1) * size)
-        return (flops / entries.bytes_per_page).tolist()
+            positions = np.asarray(positions, dtype=np.float64)
+            flops = self.cost.token_flops(0.0, (positions + 1) * entries.tokens_per_page)
+            return (flops / entries.bytes_per_page).tolist()
+        linear, quadratic = self._kv_page_terms(entries)
+        if len(positions) <= 64:
+            return [_kv_page_score(position, num_blocks, linear, quadratic) for position in positions]
+        positions = np.asarray(positions, dtype=np.float64)
+        blocks = np.maximum(num_blocks - positions, 1.0)
+        return (blocks * (linear + quadratic * (positions + 0.5 * blocks))).tolist()
 
     def __call__(self, group: int, position: int, num_blocks: int) -> float:
         entries = self.groups[group]
-        size = entries.tokens_per_page
         if entries.checkpoint:
-            flops = self.cost.token_flops(0.0, (position + 1) * size)
-        else:
-            flops = self.cost.token_flops(position * size, max(num_blocks - position, 1) * size)
-        return float(flops) / entries.bytes_per_page
+            flops = self.cost.token_flops(0.0, (position + 1) * entries.tokens_per_page)
+            return float(flops) / entries.bytes_per_page
+        return _kv_page_score(position, num_blocks, *self._kv_page_terms(entries))
+
+    def _kv_page_terms(self, entries: GroupEntries) -> tuple[float, float]:
+        """A KV page at block p of a turn of n blocks saves the recompute of k = n - p blocks of s tokens
+        starting at token p*s: 2A*k*s + F*(k*s*p*s + k*s*(k*s + 1)/2) FLOPs (`RecomputeCost.token_flops`),
+        which is k*(linear + quadratic*(p + k/2)) per byte with these two terms."""
+        size, per_byte = entries.tokens_per_page, 1.0 / entries.bytes_per_page
+        cost = self.cost
+        return ((2.0 * cost.active_params * size + cost.attention_flops_per_pair * size / 2) * per_byte,
+                cost.attention_flops_per_pair * size * size * per_byte)
+
+
+def _kv_page_score(position: float, num_blocks: int, linear: float, quadratic: float) -> float:
+    blocks = max(num_blocks - position, 1)
+    return blocks * (linear + quadratic * (position + 0.5 * blocks))
 
 
 class GreedyDualOrder:
@@ -213,12 +230,13 @@ class GreedyDualOrder:
     A heap with lazy deletion of (priority, sequence, key, score) tuples; a key's live entry is its
     latest. Until a victim is first asked for (while the heap is empty), new entries wait in parallel
     lists, oldest first, and a waiting key maps to its sequence number alone: a tier with free slots
-    builds no heap and no per-key tuple, nothing the cyclic garbage collector would have to walk."""
+    builds no heap and no per-key tuple, nothing the cyclic garbage collector would have to walk. Only
+    a pop moves the inflation, and a pop first turns the waiting entries into heap tuples, so every
+    waiting entry's priority is the current inflation plus its score: it is computed then."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Hashable, float]] = []
-        self._pending_priorities: list[float] = []  # the waiting entries, by ascending sequence number
-        self._pending_sequences: list[int] = []
+        self._pending_sequences: list[int] = []  # the waiting entries, by ascending sequence number
         self._pending_keys: list[Hashable] = []
         self._pending_scores: list[float] = []
         # key -> its live entry: the sequence number of a waiting one, or the heap's tuple.
@@ -252,7 +270,6 @@ class GreedyDualOrder:
             self._into_heap(entries)
         else:
             self._live.update(zip(keys, sequences))
-            self._pending_priorities += map(self.inflation.__add__, scores)
             self._pending_sequences += sequences
             self._pending_keys += keys
             self._pending_scores += scores
@@ -320,7 +337,6 @@ class GreedyDualOrder:
             heapq.heappush(self._heap, entry)
         else:
             self._live[key] = self._sequence
-            self._pending_priorities.append(self.inflation + score)
             self._pending_sequences.append(self._sequence)
             self._pending_keys.append(key)
             self._pending_scores.append(score)
@@ -337,12 +353,13 @@ class GreedyDualOrder:
 
     def _live_waiting(self) -> list[tuple[float, int, Hashable, float]]:
         """The waiting entries that are still their key's live one, as heap tuples, oldest first."""
-        live = self._live
-        return [entry for entry in zip(self._pending_priorities, self._pending_sequences, self._pending_keys,
-                                       self._pending_scores) if live.get(entry[2]) == entry[1]]
+        live, inflation = self._live, self.inflation
+        return [(inflation + score, sequence, key, score)
+                for sequence, key, score in zip(self._pending_sequences, self._pending_keys, self._pending_scores)
+                if live.get(key) == sequence]
 
     def _clear_pending(self) -> None:
-        self._pending_priorities, self._pending_sequences, self._pending_keys, self._pending_scores = [], [], [], []
+        self._pending_sequences, self._pending_keys, self._pending_scores = [], [], []
 
     def _drop_stale(self) -> None:
         """Mostly replaced or removed entries: keep the live ones only."""
@@ -353,6 +370,6 @@ class GreedyDualOrder:
         heapq.heapify(self._heap)
         waiting = self._live_waiting()
         self._clear_pending()
-        for column, values in zip((self._pending_priorities, self._pending_sequences, self._pending_keys,
-                                   self._pending_scores), zip(*waiting)):
+        for column, values in zip((self._pending_sequences, self._pending_keys, self._pending_scores),
+                                  list(zip(*waiting))[1:]):
             column += values
