@@ -96,22 +96,24 @@ def bench_scheduler(args) -> list[str]:
              "worker), so the figure is the host-side cost: schedule + update_from_output + turn ends per step. "
              "With 20,000 device pages nothing is evicted, so on / off is the connector's overhead (a lookup at "
              "each admission, the store selection and host slots at each turn end); with 3,000 the tier serves "
-             f"evicted prefixes (the connector's work: staging loads too). Medians over {args.repeats} runs, runs "
-             "of the two modes interleaved.", "",
+             f"evicted prefixes (the connector's work: staging loads too). Medians over {args.repeats} runs of each "
+             "mode, run in pairs (off then on, then on then off, alternating); the ratios are medians of the "
+             "pairs' ratios.", "",
              "| device pages | reply tokens | offload | steps | mean step µs | median step µs | device+host hit rate "
              "| loads (pages) | on / off (mean, median) |", "|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for device_pages, reply in ((20_000, 24), (20_000, 256), (3_000, 24)):
         runs: dict[bool, list[dict]] = {False: [], True: []}
-        for _ in range(args.repeats):
-            for mode in (False, True):
+        for repeat in range(args.repeats):
+            for mode in ((False, True) if repeat % 2 == 0 else (True, False)):
                 runs[mode].append(_run_scheduler(mode, sessions=48, concurrency=16, turns=5,
                                                  device_pages=device_pages, reply_tokens=reply))
         means = {mode: statistics.median(r["mean_us"] for r in results) for mode, results in runs.items()}
         medians = {mode: statistics.median(r["median_us"] for r in results) for mode, results in runs.items()}
+        pair_ratio = lambda stat: statistics.median(on[stat] / off[stat] for on, off in zip(runs[True], runs[False]))  # noqa: E731
         for mode, results in runs.items():
             r = results[0]
-            ratio = f"{means[True] / means[False]:.3f}, {medians[True] / medians[False]:.3f}" if mode else ""
+            ratio = f"{pair_ratio('mean_us'):.3f}, {pair_ratio('median_us'):.3f}" if mode else ""
             lines.append(f"| {device_pages:,} | {reply} | {'on' if mode else 'off'} | {r['steps']} | "
                          f"{means[mode]:.0f} | {medians[mode]:.0f} | {r['hit_rate']:.3f} | "
                          f"{r['loads']} ({r['pages_loaded']}) | {ratio} |")
