@@ -193,8 +193,10 @@ class TierEntryScore:
             flops = self.cost.token_flops(0.0, (positions + 1) * entries.tokens_per_page)
             return (flops / entries.bytes_per_page).tolist()
         linear, quadratic = self._kv_page_terms(entries)
-        if len(positions) <= 64:
+        if len(positions) <= 24:
             return [_kv_page_score(position, num_blocks, linear, quadratic) for position in positions]
+        if isinstance(positions, range):  # a turn's unstored tail
+            positions = np.arange(positions.start, positions.stop, positions.step, dtype=np.float64)
         positions = np.asarray(positions, dtype=np.float64)
         blocks = np.maximum(num_blocks - positions, 1.0)
         return (blocks * (linear + quadratic * (positions + 0.5 * blocks))).tolist()
@@ -258,9 +260,10 @@ class GreedyDualOrder:
 
     def add_many(self, keys: Sequence[Hashable], scores: Sequence[float]) -> None:
         """`add` for keys not held yet, in order."""
-        scores = list(map(float, scores))
-        if len(keys) != len(scores) or not all(map((0.0).__le__, scores)):  # NaN fails too
+        checked = np.asarray(scores, dtype=np.float64)  # one C pass for a turn's many pages
+        if len(keys) != len(checked) or not (checked >= 0).all():  # NaN fails too
             raise InvalidRequestError("add_many needs one score >= 0 per key")
+        scores = checked.tolist()
         first = self._sequence + 1
         self._sequence += len(keys)
         sequences = range(first, first + len(keys))
