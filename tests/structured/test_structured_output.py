@@ -32,7 +32,11 @@ def test_constrained_rows_match_and_free_rows_are_untouched(smollm2_invariant):
             free,
             SamplingParams(max_tokens=16, temperature=0.0, structured=StructuredOutput.regex(DATE))]
     alone = llm.generate([prompts[1]], free)[0]
-    llm.generate(prompts, [free] * 3)
+    # The same batch unconstrained, each row running its full budget, twice: the second run finds the
+    # prompts cached as the constrained run will, so its steps have every shape the constrained run can.
+    unconstrained = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True) for p in plan]
+    for _ in range(2):
+        llm.generate(prompts, unconstrained)
     shapes_unconstrained = set(llm.engine.runner.compiled_shapes)
     batched = llm.generate(prompts, plan)
 
