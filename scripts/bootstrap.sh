@@ -3,6 +3,7 @@
 #   bash scripts/bootstrap.sh serve [agentjax serve flags...]   # set up, then serve the embedded model
 #   bash scripts/bootstrap.sh generate [flags...]               # set up, then one offline generation
 #   bash scripts/bootstrap.sh test [pytest args...]             # set up, then every test (slow ones too)
+#                                                               # in 2 processes (AGENTJAX_TEST_WORKERS)
 # Set-up is idempotent: a second run only checks what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +56,13 @@ shift || true
 case "$cmd" in
     test)
         export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
+        # AGENTJAX_TEST_WORKERS pytest-xdist processes (default 2; 1 runs in this process), each
+        # taking whole files so module fixtures stay in one process. A worker that dies fails the
+        # run at once: replacing it can leave the controller waiting forever.
+        workers=${AGENTJAX_TEST_WORKERS:-2}
+        if [ "$workers" -gt 1 ]; then
+            set -- -n "$workers" --dist loadfile --max-worker-restart=0 "$@"
+        fi
         exec "$VENV/bin/python" -m pytest "$@"
         ;;
     serve | generate | bench | sweep | router)

@@ -1,9 +1,12 @@
 """Shared fixtures: the embedded model loaded once per test session in each numerics mode, and the
-release of compiled executables after each test module."""
+release of compiled executables (and the memory they hold) after each test module."""
 from __future__ import annotations
 
+import ctypes
 import gc
+import os
 import sys
+import time
 
 import pytest
 
@@ -32,30 +35,118 @@ def memory_map_count() -> int:
         return 0
 
 
+def resident_bytes() -> int:
+    """Resident set size of this process (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _trim_malloc() -> None:
+    """Hand glibc's freed heap back to the system, so a release shows in the resident size."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 # Past this many mappings the compiled executables are dropped (a quarter of Linux's default limit).
 MAP_COUNT_TO_RELEASE = 16_000
+# Under pytest-xdist, past this resident size too: two such processes share the machine's memory.
+RESIDENT_BYTES_TO_RELEASE = 4 << 30 if os.environ.get("PYTEST_XDIST_WORKER") else float("inf")
+_peaks = {"map_count": 0, "resident_bytes": 0}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def release_compiled_executables():
-    """Drop every compiled executable after a module once the process holds many memory mappings.
+def release_compiled_executables(request):
+    """Drop every compiled executable after a module once the process holds many memory mappings
+    (or, in a pytest-xdist worker, much memory).
 
     A loaded XLA CPU executable keeps several memory mappings for its code. One pytest process runs
     thousands of step shapes over dozens of models, and past Linux's limit of 65,530 mappings
-    (vm.max_map_count) the next executable XLA loads aborts the process. Live jitted functions
-    stay usable: their next call reloads from the persistent compilation cache."""
+    (vm.max_map_count) the next executable XLA loads aborts the process; JAX's caches also keep
+    every executable's memory, which two pytest-xdist workers cannot both grow without bound. Live
+    jitted functions stay usable: their next call reloads from the persistent compilation cache
+    (or recompiles). $AGENTJAX_TEST_MEMORY_LOG names a file that gets one line per module."""
     yield
-    count = memory_map_count()
-    _peak_map_count[0] = max(_peak_map_count[0], count)
+    count, resident = memory_map_count(), resident_bytes()
+    _peaks["map_count"] = max(_peaks["map_count"], count)
+    _peaks["resident_bytes"] = max(_peaks["resident_bytes"], resident)
     jax = sys.modules.get("jax")  # host-only test modules never import jax
-    if jax is not None and count > MAP_COUNT_TO_RELEASE:
+    released = jax is not None and (count > MAP_COUNT_TO_RELEASE or resident > RESIDENT_BYTES_TO_RELEASE)
+    if released:
         jax.clear_caches()
         gc.collect()
+        _trim_malloc()
+    log = os.environ.get("AGENTJAX_TEST_MEMORY_LOG")
+    if log:
+        after = f" -> {memory_map_count()} maps {resident_bytes() >> 20} MiB" if released else ""
+        with open(log, "a") as out:
+            out.write(f"{time.strftime('%H:%M:%S')} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} "
+                      f"{request.module.__name__}: {count} maps {resident >> 20} MiB{after}\n")
 
 
-_peak_map_count = [0]
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker
+    if workeroutput is not None:
+        workeroutput.update(_peaks)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist controller: keep the largest peaks any worker reported."""
+    for key, value in getattr(node, "workeroutput", {}).items():
+        if key in _peaks:
+            _peaks[key] = max(_peaks[key], value)
+
+
+# Under pytest-xdist's `--dist loadfile` (scripts/bootstrap.sh test): files that share one worker, so
+# that two of them never run at once, and the longest files, which start first (longest first keeps
+# either worker from finishing long after the other).
+SHARED_WORKER = {
+    # one README server (session-scoped) per run, and one set of serve processes at a time
+    "tests/e2e/": "tests/e2e",
+    # Gemma-3's 262k-token vocabulary: several GiB of logits and weights at a time
+    "tests/models/test_logit_parity.py": "gemma3",
+    "tests/test_engine_sliding_window.py": "gemma3",
+}
+START_FIRST = [
+    "tests/spec_decode/test_device_drafters.py", "tests/e2e", "tests/spec_decode/test_smollm2_speculative.py",
+    "tests/test_engine_speculative.py", "tests/test_engine.py", "gemma3", "tests/sharding/test_context_parallel.py",
+    "tests/models/test_dsv4_attention.py", "tests/models/test_dsv4_parity.py", "tests/test_engine_offload.py",
+]
+
+
+def scheduling_group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return next((group for prefix, group in SHARED_WORKER.items() if path.startswith(prefix)), path)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' order is the order files are handed out
+        rank = {group: index for index, group in enumerate(START_FIRST)}
+        items.sort(key=lambda item: rank.get(scheduling_group(item.nodeid), len(rank)))  # stable
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the groups above, handing out files in collection order."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupedFileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_group(nodeid)
+
+    config.option.loadscopereorder = False  # keep START_FIRST's order, not the largest files first
+    return GroupedFileScheduling(config, log)
 
 
 def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(f"peak memory mappings at the end of a test module: {_peak_map_count[0]} "
-                                "(Linux aborts past vm.max_map_count, 65,530 by default)")
+    terminalreporter.write_line(
+        f"peak at the end of a test module: {_peaks['map_count']} memory mappings "
+        f"(Linux aborts past vm.max_map_count, 65,530 by default), "
+        f"{_peaks['resident_bytes'] / (1 << 30):.1f} GiB resident (largest process)")
