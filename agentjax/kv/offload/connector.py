@@ -358,12 +358,11 @@ class OffloadConnector:
                 positions = range(stored, len(keys))
             if not pages:
                 continue
-            # Interval retention of KV pages keeps every block: no index array to build.
-            chosen = range(len(pages)) if retention.every_block else retention.select(unstored, branch_point=branch)
+            chosen = retention.select(unstored, branch_point=branch)
             if self.host is not None and len(chosen) > self.host.num_slots - 1:
                 chosen = chosen[: self.host.num_slots - 1]
             if len(chosen) < len(pages):
-                picked = list(chosen)
+                picked = chosen.tolist()
                 unstored, pages = [unstored[i] for i in picked], [pages[i] for i in picked]
                 positions = [positions[i] for i in picked]
             job = StoreJob(next(self._ids), group_id, [], [], [])

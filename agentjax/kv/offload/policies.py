@@ -30,7 +30,6 @@ class RetentionPolicy(Protocol):
     """Decides, at the end of a turn, which of its prompt's blocks a lower tier should store."""
 
     name: str
-    every_block: bool  # whether `select` always keeps every block (then callers may skip calling it)
 
     def select(self, keys: Sequence[Hashable], branch_point: bool = False) -> np.ndarray:
         """Indices (ascending) into `keys`, the prompt's block keys in order, of the blocks to store."""
@@ -45,7 +44,6 @@ class IntervalRetention:
 
     def __init__(self, checkpoint: bool = False):
         self.checkpoint = checkpoint
-        self.every_block = not checkpoint
 
     def select(self, keys: Sequence[Hashable], branch_point: bool = False) -> np.ndarray:
         count = len(keys)
@@ -64,7 +62,6 @@ class MarconiRetention:
     """
 
     name = "marconi"
-    every_block = False
 
     def __init__(self, checkpoint: bool = False, max_keys: int = 10_000_000):
         if max_keys < 1:
@@ -185,42 +182,26 @@ class TierEntryScore:
         self.groups = tuple(groups)
 
     def scores(self, group: int, positions, num_blocks: int) -> list[float]:
-        """`score` of many entries of one group at once: plain floats for a turn's usual few new pages,
-        numpy for many (the same expression in the same order, so both give `score`'s floats)."""
+        """`score` of many entries of one group at once (numpy)."""
         entries = self.groups[group]
-        if entries.checkpoint:
-            positions = np.asarray(positions, dtype=np.float64)
-            flops = self.cost.token_flops(0.0, (positions + 1) * entries.tokens_per_page)
-            return (flops / entries.bytes_per_page).tolist()
-        linear, quadratic = self._kv_page_terms(entries)
-        if len(positions) <= 24:
-            return [_kv_page_score(position, num_blocks, linear, quadratic) for position in positions]
-        if isinstance(positions, range):  # a turn's unstored tail
+        size = entries.tokens_per_page
+        if isinstance(positions, range):  # a turn's unstored tail: the same floats without a Python loop
             positions = np.arange(positions.start, positions.stop, positions.step, dtype=np.float64)
         positions = np.asarray(positions, dtype=np.float64)
-        blocks = np.maximum(num_blocks - positions, 1.0)
-        return (blocks * (linear + quadratic * (positions + 0.5 * blocks))).tolist()
+        if entries.checkpoint:
+            flops = self.cost.token_flops(0.0, (positions + 1) * size)
+        else:
+            flops = self.cost.token_flops(positions * size, np.maximum(num_blocks - positions, 1) * size)
+        return (flops / entries.bytes_per_page).tolist()
 
     def __call__(self, group: int, position: int, num_blocks: int) -> float:
         entries = self.groups[group]
+        size = entries.tokens_per_page
         if entries.checkpoint:
-            flops = self.cost.token_flops(0.0, (position + 1) * entries.tokens_per_page)
-            return float(flops) / entries.bytes_per_page
-        return _kv_page_score(position, num_blocks, *self._kv_page_terms(entries))
-
-    def _kv_page_terms(self, entries: GroupEntries) -> tuple[float, float]:
-        """A KV page at block p of a turn of n blocks saves the recompute of k = n - p blocks of s tokens
-        starting at token p*s: 2A*k*s + F*(k*s*p*s + k*s*(k*s + 1)/2) FLOPs (`RecomputeCost.token_flops`),
-        which is k*(linear + quadratic*(p + k/2)) per byte with these two terms."""
-        size, per_byte = entries.tokens_per_page, 1.0 / entries.bytes_per_page
-        cost = self.cost
-        return ((2.0 * cost.active_params * size + cost.attention_flops_per_pair * size / 2) * per_byte,
-                cost.attention_flops_per_pair * size * size * per_byte)
-
-
-def _kv_page_score(position: float, num_blocks: int, linear: float, quadratic: float) -> float:
-    blocks = max(num_blocks - position, 1)
-    return blocks * (linear + quadratic * (position + 0.5 * blocks))
+            flops = self.cost.token_flops(0.0, (position + 1) * size)
+        else:
+            flops = self.cost.token_flops(position * size, max(num_blocks - position, 1) * size)
+        return float(flops) / entries.bytes_per_page
 
 
 class GreedyDualOrder:
