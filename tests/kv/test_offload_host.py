@@ -52,3 +52,18 @@ def test_a_store_into_free_slots_takes_them_in_order_and_scores_its_keys():
     assert index.assign_many(0, [b"d", b"e", b"a"], [4.0, 2.0, 5.0]) == [4, 5, 0]  # "a" is held already
     assert index.assign((0, b"f"), 9.0) == 2  # full: the lowest score, "b", gives its slot up
     assert not index.contains((0, b"b")) and len(index) == 5
+
+
+def test_a_store_given_a_callable_for_its_scores_calls_it_only_to_choose_a_victim():
+    index = HostPageIndex(num_groups=1, num_slots=6, scored=True)  # 5 usable slots
+    calls = []
+
+    def scores(values):
+        return lambda: calls.append(values) or values
+
+    assert index.assign_many(0, [b"a", b"b", b"c"], scores([5.0, 1.0, 3.0])) == [1, 2, 3]
+    assert index.assign_many(0, [b"d", b"e"], scores([4.0, 2.0])) == [4, 5]
+    assert calls == []  # free slots: no score was needed
+    assert index.assign_many(0, [b"f", b"g"], scores([9.0, 9.0])) == [2, 5]  # "b" then "e" give their slots up
+    assert calls == [[9.0, 9.0], [5.0, 1.0, 3.0], [4.0, 2.0]]
+    assert not index.contains((0, b"b")) and not index.contains((0, b"e")) and len(index) == 5

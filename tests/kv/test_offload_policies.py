@@ -126,12 +126,39 @@ def test_greedy_dual_add_many_orders_victims_as_one_add_per_key():
     assert "x" not in batched
 
 
+def test_greedy_dual_calls_a_batch_s_score_callable_once_a_victim_is_needed_and_orders_as_eager_scores():
+    rng = np.random.default_rng(11)
+    lazy, eager = GreedyDualOrder(), GreedyDualOrder()
+    calls, victims = [], {id(lazy): [], id(eager): []}
+    for round_ in range(80):
+        keys = [f"k{round_}-{i}" for i in range(int(rng.integers(1, 12)))]
+        scores = [float(s) if s > 0.3 else 0.0 for s in rng.random(len(keys)) * 4]
+        lazy.add_many(keys, lambda round_=round_, scores=scores: calls.append(round_) or scores)
+        eager.add_many(keys, scores)
+        if round_ < 20:
+            assert calls == []  # nothing popped or touched yet: no score computed
+            continue
+        pops = int(rng.integers(0, 4))
+        for order in (lazy, eager):
+            order.touch(keys[0])
+            if round_ % 5 == 0:
+                order.remove(keys[-1])
+            victims[id(order)] += [order.pop() for _ in range(pops) if len(order)]
+    assert victims[id(lazy)] == victims[id(eager)] and len(victims[id(lazy)]) > 30
+    assert lazy.inflation == eager.inflation and len(lazy) == len(eager)
+    assert sorted(calls) == sorted(set(calls))  # each callable ran at most once
+    bad = GreedyDualOrder()
+    bad.add_many(["x", "y"], lambda: [1.0, float("nan")])
+    with pytest.raises(InvalidRequestError, match="score >= 0"):  # checked when it is called
+        bad.pop()
+
+
 def test_greedy_dual_keeps_its_stale_entries_bounded_when_nothing_is_evicted():
     order = GreedyDualOrder()
     order.add_many([f"k{i}" for i in range(10)], [1.0] * 10)
     for i in range(10_000):  # a tier with free slots: entries are refreshed, none is ever popped
         order.touch(f"k{i % 10}")
-    assert len(order._heap) + len(order._pending_keys) <= 4 * len(order) + 64 + 1
+    assert len(order._heap) + order._num_waiting <= 4 * len(order) + 64 + 1
     assert [order.pop() for _ in range(3)] == ["k0", "k1", "k2"]  # the least recently touched first
 
 

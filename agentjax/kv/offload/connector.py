@@ -13,6 +13,7 @@ of a recurrent group are restored by the manager's pending copies as for any hit
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections import OrderedDict
@@ -399,20 +400,24 @@ class OffloadConnector:
     def _add_store_rows(self, job: StoreJob, hashes: list, pages: list, positions, num_blocks: int) -> None:
         """A store job's rows: the pages (block hash, device page, block index in a turn of `num_blocks`
         blocks) for the tiers that lack them and take stores now, with their eviction scores when the
-        tiers weigh one. With the host tier alone the job takes `hashes` and `pages` as they are."""
+        disk tier weighs one. With the host tier alone the job takes `hashes` and `pages` as they are."""
         group = job.group
         disk = self.disk if self.disk is not None and self.health["disk"].storable() else None
         remote = self._known_remote if self.mooncake is not None and self.health["mooncake"].storable() else None
-        scores = self.entry_score.scores(group, positions, num_blocks) if self.entry_score is not None else None
-        slots = self.host.assign_many(group, hashes, scores) if self.host is not None else [0] * len(hashes)
         if disk is None and remote is None:  # host only: the rows that got a slot
+            if self.host is None:  # the other tiers take no stores now
+                return
+            # the host index computes the scores only when it has to evict (the job needs none)
+            scores = (functools.partial(self.entry_score.scores, group, positions, num_blocks)
+                      if self.entry_score is not None else None)
+            slots = self.host.assign_many(group, hashes, scores)
             if 0 in slots:
                 kept = [i for i, slot in enumerate(slots) if slot]
                 hashes, pages, slots = [hashes[i] for i in kept], [pages[i] for i in kept], [slots[i] for i in kept]
-                scores = [scores[i] for i in kept] if scores is not None else None
             job.keys, job.pages, job.host_slots = hashes, pages, slots
-            job.scores = scores or []
             return
+        scores = self.entry_score.scores(group, positions, num_blocks) if self.entry_score is not None else None
+        slots = self.host.assign_many(group, hashes, scores) if self.host is not None else [0] * len(hashes)
         for i, block_hash in enumerate(hashes):
             key = (group, block_hash)
             to_disk = disk is not None and not disk.contains(key)

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from agentjax.errors import OffloadTierError
 from agentjax.kv.offload.disk import TierKey
-from agentjax.kv.offload.policies import GreedyDualOrder
+from agentjax.kv.offload.greedy_dual import GreedyDualOrder, Scores
 
 
 class HostPageIndex:
@@ -78,10 +78,11 @@ class HostPageIndex:
         """`assign` for a key the index does not hold yet; 0 (and nothing changes) if it holds it."""
         return 0 if key[1] in self._slots[key[0]] else self.assign(key, score)
 
-    def assign_many(self, group: int, hashes: list, scores: list | None = None) -> list[int]:
+    def assign_many(self, group: int, hashes: list, scores: Scores | None = None) -> list[int]:
         """`assign_new` for each of a store's keys in one group: their slots, 0 for a key the index holds
         already, or for one a later key of the same call evicted again (so no two rows of one store
-        share a slot)."""
+        share a slot). `scores`: one per key, or a callable giving them (`GreedyDualOrder.add_many`
+        calls it only when it has to choose a victim)."""
         slots, free = self._slots[group], self._free[group]
         order = self._orders[group] if self._orders is not None else None
         count = len(hashes)
@@ -92,6 +93,8 @@ class HostPageIndex:
             if order is not None:
                 order.add_many(hashes, scores if scores is not None else [0.0] * count)
             return out
+        if callable(scores):
+            scores = scores()
         out: list[int] = []
         rows: dict[bytes, int] = {}  # keys this call assigned -> their row
         for row, block_hash in enumerate(hashes):

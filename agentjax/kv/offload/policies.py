@@ -6,21 +6,19 @@ stores only what a second turn has shown to be shared (the prefix seen for the s
 everything at a branch point. For a fixed-size state ("checkpoint" kinds) both keep one
 checkpoint per decision instead of every block. `RecomputeCost` says how many FLOPs a cached entry
 saves per byte it occupies; `TierEntryScore` turns it into the score of one tier entry (a KV page,
-a compressed entry, a state checkpoint), and `GreedyDualOrder` evicts by that score and recency
-(the host and disk tiers use it). Host only: never imports jax, never moves bytes.
+a compressed entry, a state checkpoint), and `GreedyDualOrder` (greedy_dual.py) evicts by that score
+and recency (the host and disk tiers use it). Host only: never imports jax, never moves bytes.
 """
 from __future__ import annotations
 
-import heapq
-from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Protocol
 
 import numpy as np
 
 from agentjax.errors import InvalidRequestError
+from agentjax.kv.offload.greedy_dual import GreedyDualOrder
 
 __all__ = ["RetentionPolicy", "IntervalRetention", "MarconiRetention", "RecomputeCost", "make_retention",
            "GroupEntries", "TierEntryScore", "GreedyDualOrder"]
@@ -202,158 +200,3 @@ class TierEntryScore:
         else:
             flops = self.cost.token_flops(position * size, max(num_blocks - position, 1) * size)
         return float(flops) / entries.bytes_per_page
-
-
-class GreedyDualOrder:
-    """Victim choice by score and recency (GreedyDual): an entry's priority is the inflation when it was
-    added or last used plus its score; the lowest priority goes first and the inflation rises to it,
-    so an entry that saves little is evicted soon and one that saves much outlives newer cheap ones
-    only for as long as its score covers. Equal scores give LRU.
-
-    A heap with lazy deletion of (priority, sequence, key, score) tuples; a key's live entry is its
-    latest. Until a victim is first asked for (while the heap is empty), new entries wait in parallel
-    lists, oldest first, and a waiting key maps to its sequence number alone: a tier with free slots
-    builds no heap and no per-key tuple, nothing the cyclic garbage collector would have to walk. Only
-    a pop moves the inflation, and a pop first turns the waiting entries into heap tuples, so every
-    waiting entry's priority is the current inflation plus its score: it is computed then."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Hashable, float]] = []
-        self._pending_sequences: list[int] = []  # the waiting entries, by ascending sequence number
-        self._pending_keys: list[Hashable] = []
-        self._pending_scores: list[float] = []
-        # key -> its live entry: the sequence number of a waiting one, or the heap's tuple.
-        self._live: dict[Hashable, int | tuple[float, int, Hashable, float]] = {}
-        self._sequence = 0
-        self.inflation = 0.0
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._live
-
-    def add(self, key: Hashable, score: float = 0.0) -> None:
-        """Add `key` (or refresh it with a new score)."""
-        if not score >= 0:
-            raise InvalidRequestError(f"an eviction score must be >= 0, got {score}")
-        self._push(key, float(score))
-
-    def add_many(self, keys: Sequence[Hashable], scores: Sequence[float]) -> None:
-        """`add` for keys not held yet, in order."""
-        checked = np.asarray(scores, dtype=np.float64)  # one C pass for a turn's many pages
-        if len(keys) != len(checked) or not (checked >= 0).all():  # NaN fails too
-            raise InvalidRequestError("add_many needs one score >= 0 per key")
-        scores = checked.tolist()
-        first = self._sequence + 1
-        self._sequence += len(keys)
-        sequences = range(first, first + len(keys))
-        if self._heap:  # evicting already: the entries go into the heap now
-            entries = list(zip(map(self.inflation.__add__, scores), sequences, keys, scores))
-            self._live.update(zip(keys, entries))
-            self._into_heap(entries)
-        else:
-            self._live.update(zip(keys, sequences))
-            self._pending_sequences += sequences
-            self._pending_keys += keys
-            self._pending_scores += scores
-        self._drop_stale()
-
-    def touch(self, key: Hashable) -> None:
-        """`key` was used: its priority restarts from the current inflation."""
-        entry = self._live.get(key)
-        if entry is None:
-            return
-        if type(entry) is tuple:
-            self._push(key, entry[3])
-        else:  # waiting: its score sits at its sequence number's place in the waiting lists
-            self._push(key, self._pending_scores[bisect_left(self._pending_sequences, entry)])
-
-    def remove(self, key: Hashable) -> None:
-        self._live.pop(key, None)
-
-    def pop(self) -> Hashable:
-        """Take the entry of lowest priority out; KeyError when empty."""
-        heap, live = self._heap, self._live
-        if self._pending_keys:  # the waiting live entries become heap tuples (one rebuild when many)
-            waiting = self._live_waiting()
-            live.update(zip(map(itemgetter(2), waiting), waiting))
-            self._clear_pending()
-            self._into_heap(waiting)
-        while heap:
-            entry = heapq.heappop(heap)
-            key = entry[2]
-            if live.get(key) is entry:
-                del live[key]
-                self.inflation = entry[0]
-                return key
-        raise KeyError("pop from an empty GreedyDualOrder")
-
-    def pop_add(self, key: Hashable, score: float = 0.0) -> Hashable:
-        """`pop`, then `add(key, score)` for a key not held (one heap operation for both); the victim."""
-        if not score >= 0:
-            raise InvalidRequestError(f"an eviction score must be >= 0, got {score}")
-        if self._pending_keys or not self._heap:
-            victim = self.pop()
-            self._push(key, float(score))
-            return victim
-        heap, live = self._heap, self._live
-        while live.get(heap[0][2]) is not heap[0]:  # stale entries on top
-            heapq.heappop(heap)
-            if not heap:
-                raise KeyError("pop from an empty GreedyDualOrder")
-        victim = heap[0]
-        del live[victim[2]]
-        self.inflation = victim[0]
-        score = float(score)
-        self._sequence += 1
-        entry = (self.inflation + score, self._sequence, key, score)
-        live[key] = entry
-        heapq.heapreplace(heap, entry)
-        self._drop_stale()
-        return victim[2]
-
-    def _push(self, key: Hashable, score: float) -> None:
-        self._sequence += 1
-        if self._heap:
-            entry = (self.inflation + score, self._sequence, key, score)
-            self._live[key] = entry
-            heapq.heappush(self._heap, entry)
-        else:
-            self._live[key] = self._sequence
-            self._pending_sequences.append(self._sequence)
-            self._pending_keys.append(key)
-            self._pending_scores.append(score)
-        self._drop_stale()
-
-    def _into_heap(self, entries: list) -> None:
-        """Heap `entries` (one rebuild when they are many)."""
-        if len(entries) * 8 > len(self._heap):
-            self._heap += entries
-            heapq.heapify(self._heap)
-        else:
-            for entry in entries:
-                heapq.heappush(self._heap, entry)
-
-    def _live_waiting(self) -> list[tuple[float, int, Hashable, float]]:
-        """The waiting entries that are still their key's live one, as heap tuples, oldest first."""
-        live, inflation = self._live, self.inflation
-        return [(inflation + score, sequence, key, score)
-                for sequence, key, score in zip(self._pending_sequences, self._pending_keys, self._pending_scores)
-                if live.get(key) == sequence]
-
-    def _clear_pending(self) -> None:
-        self._pending_sequences, self._pending_keys, self._pending_scores = [], [], []
-
-    def _drop_stale(self) -> None:
-        """Mostly replaced or removed entries: keep the live ones only."""
-        if len(self._heap) + len(self._pending_keys) <= 4 * len(self._live) + 64:
-            return
-        live = self._live
-        self._heap = [entry for entry in self._heap if live.get(entry[2]) is entry]
-        heapq.heapify(self._heap)
-        waiting = self._live_waiting()
-        self._clear_pending()
-        for column, values in zip((self._pending_sequences, self._pending_keys, self._pending_scores),
-                                  list(zip(*waiting))[1:]):
-            column += values
