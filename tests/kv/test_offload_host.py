@@ -67,3 +67,15 @@ def test_a_store_given_a_callable_for_its_scores_calls_it_only_to_choose_a_victi
     assert index.assign_many(0, [b"f", b"g"], scores([9.0, 9.0])) == [2, 5]  # "b" then "e" give their slots up
     assert calls == [[9.0, 9.0], [5.0, 1.0, 3.0], [4.0, 2.0]]
     assert not index.contains((0, b"b")) and not index.contains((0, b"e")) and len(index) == 5
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_a_store_with_a_held_or_repeated_key_and_room_to_spare_leaves_no_slot_taken_twice(scored):
+    index = HostPageIndex(num_groups=1, num_slots=10, scored=scored)  # 9 usable slots
+    assert index.assign_many(0, [b"a", b"b"], [1.0, 1.0]) == [1, 2]
+    slots = index.assign_many(0, [b"c", b"a", b"d", b"c"], [1.0] * 4)  # "a" is held, "c" comes twice
+    assert slots == [3, 0, 4, 0] and len(index) == 4
+    assert [index.slot((0, key)) for key in (b"a", b"b", b"c", b"d")] == [1, 2, 3, 4]
+    # the slots the undone fast path proposed are free again, each once
+    rest = index.assign_many(0, [bytes([i]) for i in range(5)], [1.0] * 5)
+    assert sorted(rest) == [5, 6, 7, 8, 9] and index.evictions == 0

@@ -86,13 +86,17 @@ class HostPageIndex:
         slots, free = self._slots[group], self._free[group]
         order = self._orders[group] if self._orders is not None else None
         count = len(hashes)
-        if count <= len(free) and slots.keys().isdisjoint(hashes):  # new keys, free slots: in C
+        if count <= len(free):  # new keys into free slots, in C
             out = free[len(free) - count:][::-1]  # the slots `free.pop()` would give, in that order
-            del free[len(free) - count:]
-            slots.update(zip(hashes, out))
-            if order is not None:
-                order.add_many(hashes, scores if scores is not None else [0.0] * count)
-            return out
+            given = list(map(slots.setdefault, hashes, out))  # a held key keeps (and gives) its own slot
+            if given == out:  # every key was new: a held key's slot is never a free one
+                del free[len(free) - count:]
+                if order is not None:
+                    order.add_many(hashes, scores if scores is not None else [0.0] * count)
+                return out
+            for block_hash, slot, held in zip(hashes, out, given):  # some were held: undo, then one by one
+                if slot == held:
+                    del slots[block_hash]
         if callable(scores):
             scores = scores()
         out: list[int] = []
