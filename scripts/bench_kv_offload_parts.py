@@ -2,7 +2,8 @@
 
 `bench_scheduler`: agent sessions (growing prompts, C in flight) through the real Scheduler and
 KVCacheManager with no model, with the offload connector's scheduler side on (host tier, loads
-completed at once as an idle worker would) and off; the step time is schedule + update + turn ends.
+completed at once as an idle worker would) and off, the two runs stepping in lockstep; the step time
+is schedule + update + turn ends.
 `bench_kv_manager`: the vLLM harness's closed-loop KV replay (see scripts/bench_kv_manager.py) with a
 third engine, agentjax with the tiers on: each admission also looks its prompt up in the tiers, each
 turn end prepares its stores. `bench_ttft`: SmolLM2, a 4K-token history, the next turn's TTFT.
@@ -21,50 +22,67 @@ HARNESS = REPO.parent / "shared" / "bench" / "vllm_baseline"
 
 
 # -- scheduler step time ------------------------------------------------------------------------------
-def _run_scheduler(offload: bool, sessions: int, concurrency: int, turns: int, seed: int = 0,
-                   device_pages: int = 3000, reply_tokens: int = 24) -> dict:
-    import random
+class _SchedulerRun:
+    """One run of agent sessions through the real Scheduler and KVCacheManager, a step at a time, with the
+    offload connector on or off; `step()` runs and times one step (schedule + update + turn ends)."""
 
-    from agentjax.config import EngineConfig
-    from agentjax.kv import FullAttentionSpec, KVCacheManager
-    from agentjax.kv.offload.connector import OffloadConnector
-    from agentjax.kv.offload.host import HostPageIndex
-    from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryScore
-    from agentjax.kv.policy_order import engine_eviction_order
-    from agentjax.sampling_params import SamplingParams
-    from agentjax.scheduler.request import Request, RequestState
-    from agentjax.scheduler.scheduler import Scheduler
+    def __init__(self, offload: bool, sessions: int, concurrency: int, turns: int, seed: int = 0,
+                 device_pages: int = 3000, reply_tokens: int = 24):
+        import random
 
-    rng = random.Random(seed)
-    # The engine's eviction order (its default KV policy, which hears the session turn ends) in both modes.
-    kv = KVCacheManager.from_specs([FullAttentionSpec()], device_pages, 16, cache_on_allocate=False,
-                                   eviction_order=engine_eviction_order("hints"))
-    # As the engine builds it (agentjax.runner.offload_worker.build_offload): a scored host tier and the
-    # recompute score of SmolLM2-135M (30 layers, 9 query heads of 64; 737,280-byte float32 pages of 16 tokens).
-    score = TierEntryScore(RecomputeCost.for_model(134.5e6, 30, 9, 64), [GroupEntries(16, 737_280)])
-    connector = OffloadConnector(kv, host=HostPageIndex(1, 40_000, scored=True), entry_score=score) if offload else None
-    scheduler = Scheduler(EngineConfig(max_num_batched_tokens=2048, max_num_seqs=64), kv, offload=connector)
-    prompts = {s: [rng.randrange(100, 40_000) for _ in range(2000)] for s in range(sessions)}
-    turn_of = dict.fromkeys(range(sessions), 0)
-    pending = list(range(sessions))
-    counter = [0]
+        from agentjax.config import EngineConfig
+        from agentjax.kv import FullAttentionSpec, KVCacheManager
+        from agentjax.kv.offload.connector import OffloadConnector
+        from agentjax.kv.offload.host import HostPageIndex
+        from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryScore
+        from agentjax.kv.policy_order import engine_eviction_order
+        from agentjax.scheduler.scheduler import Scheduler
 
-    def start(session: int) -> None:
-        counter[0] += 1
-        request = Request(f"s{session}-t{turn_of[session]}", prompts[session], SamplingParams(max_tokens=reply_tokens),
-                          frozenset(), session_id=f"s{session}", arrival_index=counter[0])
-        scheduler.add(request)
+        self.rng = random.Random(seed)
+        # The engine's eviction order (its default KV policy, which hears the session turn ends) in both modes.
+        self.kv = KVCacheManager.from_specs([FullAttentionSpec()], device_pages, 16, cache_on_allocate=False,
+                                            eviction_order=engine_eviction_order("hints"))
+        # As the engine builds it (agentjax.runner.offload_worker.build_offload): a scored host tier and the
+        # recompute score of SmolLM2-135M (30 layers, 9 query heads of 64; 737,280-byte float32 pages of 16 tokens).
+        score = TierEntryScore(RecomputeCost.for_model(134.5e6, 30, 9, 64), [GroupEntries(16, 737_280)])
+        self.connector = (OffloadConnector(self.kv, host=HostPageIndex(1, 40_000, scored=True), entry_score=score)
+                          if offload else None)
+        self.scheduler = Scheduler(EngineConfig(max_num_batched_tokens=2048, max_num_seqs=64), self.kv,
+                                   offload=self.connector)
+        self.turns, self.reply_tokens = turns, reply_tokens
+        self.prompts = {s: [self.rng.randrange(100, 40_000) for _ in range(2000)] for s in range(sessions)}
+        self.turn_of = dict.fromkeys(range(sessions), 0)
+        self.pending = list(range(sessions))
+        self.arrivals = 0
+        self.step_times: list[float] = []
+        self.loads = 0
+        for _ in range(concurrency):
+            self._start(self.pending.pop(0))
 
-    for _ in range(concurrency):
-        start(pending.pop(0))
-    step_times, loads = [], 0
-    while scheduler.has_unfinished():
+    def _start(self, session: int) -> None:
+        from agentjax.sampling_params import SamplingParams
+        from agentjax.scheduler.request import Request
+
+        self.arrivals += 1
+        request = Request(f"s{session}-t{self.turn_of[session]}", self.prompts[session],
+                          SamplingParams(max_tokens=self.reply_tokens), frozenset(), session_id=f"s{session}",
+                          arrival_index=self.arrivals)
+        self.scheduler.add(request)
+
+    @property
+    def done(self) -> bool:
+        return not self.scheduler.has_unfinished()
+
+    def step(self) -> None:
+        from agentjax.scheduler.request import RequestState
+
+        scheduler = self.scheduler
         started = time.perf_counter()
         plan = scheduler.schedule()
         if plan.kv_transfers is not None:
             for job in plan.kv_transfers.loads:  # an idle worker: the copy is done at once
-                connector.results.put(("load", job.job_id, set()))
-                loads += 1
+                self.connector.results.put(("load", job.job_id, set()))
+                self.loads += 1
         produced = scheduler.update_from_output(plan, [7] * len(plan.scheduled))
         ended = []
         for request, _ in produced:
@@ -72,19 +90,35 @@ def _run_scheduler(offload: bool, sessions: int, concurrency: int, turns: int, s
                 request.state = RequestState.FINISHED
                 scheduler.finish(request)
                 ended.append(request)
-        step_times.append(time.perf_counter() - started)
-        for request in ended:
+        self.step_times.append(time.perf_counter() - started)
+        for request in ended:  # the next turn arrives (untimed: the client's side)
             session = int(request.session_id[1:])
-            turn_of[session] += 1
-            if turn_of[session] < turns:
-                prompts[session] = request.all_token_ids + [rng.randrange(100, 40_000) for _ in range(300)]
-                start(session)
-            elif pending:
-                start(pending.pop(0))
-    stats = kv.stats()
-    return {"steps": len(step_times), "mean_us": 1e6 * statistics.fmean(step_times),
-            "median_us": 1e6 * statistics.median(step_times), "hit_rate": stats["hit_rate"], "hits": stats["hits"],
-            "loads": loads, "pages_loaded": connector.stats.get("pages_loaded", "host") if offload else 0}
+            self.turn_of[session] += 1
+            if self.turn_of[session] < self.turns:
+                self.prompts[session] = request.all_token_ids + [self.rng.randrange(100, 40_000) for _ in range(300)]
+                self._start(session)
+            elif self.pending:
+                self._start(self.pending.pop(0))
+
+    def result(self) -> dict:
+        stats = self.kv.stats()
+        return {"steps": len(self.step_times), "mean_us": 1e6 * statistics.fmean(self.step_times),
+                "median_us": 1e6 * statistics.median(self.step_times), "hit_rate": stats["hit_rate"],
+                "hits": stats["hits"], "loads": self.loads,
+                "pages_loaded": self.connector.stats.get("pages_loaded", "host") if self.connector else 0}
+
+
+def _run_scheduler_pair(**run_args) -> dict[bool, dict]:
+    """The same sessions with the connector off and on, stepped in lockstep (off, on, on, off, ...), so a
+    drift in the machine's speed reaches both runs alike. Results by mode."""
+    runs = {mode: _SchedulerRun(mode, **run_args) for mode in (False, True)}
+    order = (False, True)
+    while not all(run.done for run in runs.values()):
+        for mode in order:
+            if not runs[mode].done:
+                runs[mode].step()
+        order = order[::-1]
+    return {mode: run.result() for mode, run in runs.items()}
 
 
 def bench_scheduler(args) -> list[str]:
@@ -96,18 +130,18 @@ def bench_scheduler(args) -> list[str]:
              "worker), so the figure is the host-side cost: schedule + update_from_output + turn ends per step. "
              "With 20,000 device pages nothing is evicted, so on / off is the connector's overhead (a lookup at "
              "each admission, the store selection and host slots at each turn end); with 3,000 the tier serves "
-             f"evicted prefixes (the connector's work: staging loads too). Medians over {args.repeats} runs of each "
-             "mode, run in pairs (off then on, then on then off, alternating); the ratios are medians of the "
-             "pairs' ratios.", "",
+             f"evicted prefixes (the connector's work: staging loads too). Medians over {args.repeats} pairs of runs; "
+             "the two runs of a pair step in lockstep in one process (off, on, on, off, ...), so a drift in the "
+             "machine's speed reaches both alike; the ratios are medians of the pairs' ratios.", "",
              "| device pages | reply tokens | offload | steps | mean step µs | median step µs | device+host hit rate "
              "| loads (pages) | on / off (mean, median) |", "|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for device_pages, reply in ((20_000, 24), (20_000, 256), (3_000, 24)):
         runs: dict[bool, list[dict]] = {False: [], True: []}
-        for repeat in range(args.repeats):
-            for mode in ((False, True) if repeat % 2 == 0 else (True, False)):
-                runs[mode].append(_run_scheduler(mode, sessions=48, concurrency=16, turns=5,
-                                                 device_pages=device_pages, reply_tokens=reply))
+        for _ in range(args.repeats):
+            for mode, result in _run_scheduler_pair(sessions=48, concurrency=16, turns=5, device_pages=device_pages,
+                                                    reply_tokens=reply).items():
+                runs[mode].append(result)
         means = {mode: statistics.median(r["mean_us"] for r in results) for mode, results in runs.items()}
         medians = {mode: statistics.median(r["median_us"] for r in results) for mode, results in runs.items()}
         pair_ratio = lambda stat: statistics.median(on[stat] / off[stat] for on, off in zip(runs[True], runs[False]))  # noqa: E731
