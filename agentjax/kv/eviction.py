@@ -20,6 +20,15 @@ from agentjax.errors import InvalidRequestError, OutOfPagesError
 NULL_PAGE = 0  # the pool's reserved page: never free, never evicted
 
 
+def distinct_pages(pages, dtype=np.int64) -> np.ndarray:
+    """The distinct pages other than NULL_PAGE, ascending (a pin's set). A sort and a neighbour test:
+    numpy 2.5's `np.unique` takes about 4x as long on a session's few hundred pages."""
+    pages = np.sort(np.asarray(pages, dtype=dtype))
+    keep = pages != NULL_PAGE
+    keep[1:] &= pages[1:] != pages[:-1]
+    return pages[keep]
+
+
 class EvictionOrder(Protocol):
     """Decides which free page a new allocation takes (and so which cached page is evicted).
 
@@ -228,8 +237,7 @@ class PinnedEvictionOrder(LRUEvictionOrder):
         expiry = math.inf if expires_at is None else float(expires_at)
         if math.isnan(expiry):
             raise InvalidRequestError("expires_at is NaN; pass a clock time or None (until unpinned)")
-        pages = np.unique(np.asarray(pages, dtype=np.int32))
-        pages = pages[pages != NULL_PAGE]
+        pages = distinct_pages(pages, np.int32)
         if len(pages) and not (0 < pages[-1] < len(self._pin_count)):
             raise InvalidRequestError(f"page {int(pages[-1])} outside [1, {len(self._pin_count)})")
         if expiry <= self.clock():

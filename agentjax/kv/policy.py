@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from agentjax.errors import InvalidRequestError
-from agentjax.kv.eviction import NULL_PAGE
+from agentjax.kv.eviction import distinct_pages
 
 __all__ = ["KVPolicy", "TurnEnd", "PagePolicy", "NO_SESSION"]
 
@@ -345,8 +345,7 @@ class PagePolicy:
         expiry = math.inf if expires_at is None else float(expires_at)
         if math.isnan(expiry):
             raise InvalidRequestError("expires_at is NaN; pass a clock time or None (until unpinned)")
-        pages = np.unique(np.asarray(pages, dtype=np.int64))
-        pages = pages[pages != NULL_PAGE]
+        pages = distinct_pages(pages)
         if len(pages) and not (0 < pages[0] and pages[-1] < self.num_pages):
             raise InvalidRequestError(f"pinned pages must lie in [1, {self.num_pages}), got "
                                       f"[{pages[0]}, {pages[-1]}]")

@@ -1,9 +1,11 @@
 """Tests of session and branch pins (PinnedEvictionOrder in agentjax/kv/eviction.py, driven through
 agentjax/kv/manager.py): pinned free pages go after every unpinned one, expire, and are released."""
+import numpy as np
 import pytest
 
 from agentjax.errors import InvalidRequestError
 from agentjax.kv import KVCacheManager, LRUEvictionOrder
+from agentjax.kv.eviction import NULL_PAGE, distinct_pages
 
 
 class Clock:
@@ -132,3 +134,13 @@ def test_bad_pin_arguments_name_the_value():
     plain = KVCacheManager.full_attention(num_blocks=8, block_size=4, eviction_order=LRUEvictionOrder())
     with pytest.raises(InvalidRequestError, match="has no pins"):
         plain.pin("k", [1])
+
+
+def test_a_pin_set_is_the_distinct_real_pages_ascending():
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 2, 7, 300):
+        for _ in range(50):
+            pages = rng.integers(0, 40, size)
+            expected = np.unique(pages)
+            assert distinct_pages(pages).tolist() == expected[expected != NULL_PAGE].tolist()
+    assert distinct_pages([5, 0, 5, 2], np.int32).dtype == np.int32
