@@ -25,7 +25,8 @@ def _checked(scores: Sequence[float], count: int) -> list[float]:
     """`scores` as floats, one per key and each >= 0 (one C pass for a turn's many pages)."""
     checked = np.asarray(scores, dtype=np.float64)
     if checked.shape != (count,) or not (checked >= 0).all():  # NaN fails too
-        raise InvalidRequestError(f"GreedyDualOrder needs one eviction score >= 0 per key ({count} keys), got {scores!r}")
+        raise InvalidRequestError(f"GreedyDualOrder needs one eviction score >= 0 per key: {count} keys, "
+                                  f"{checked.size} scores, smallest {checked.min() if checked.size else None}")
     return checked.tolist()
 
 
