@@ -101,24 +101,30 @@ def test_greedy_dual_evicts_the_lowest_score_first_and_is_lru_among_equals():
         order.pop()
 
 
-def test_greedy_dual_add_many_orders_victims_as_one_add_per_key():
+def test_greedy_dual_add_many_orders_victims_as_one_add_per_key_with_scores_given_or_called_for():
     rng = np.random.default_rng(3)
-    batched, one_by_one = GreedyDualOrder(), GreedyDualOrder()
-    victims = {id(batched): [], id(one_by_one): []}
-    for round_ in range(60):
+    batched, one_by_one, called = GreedyDualOrder(), GreedyDualOrder(), GreedyDualOrder()
+    calls, victims = [], {id(batched): [], id(one_by_one): [], id(called): []}
+    for round_ in range(80):
         keys = [f"k{round_}-{i}" for i in range(int(rng.integers(1, 12)))]
         scores = [float(s) if s > 0.3 else 0.0 for s in rng.random(len(keys)) * 4]  # ties too
         batched.add_many(keys, scores)
+        called.add_many(keys, lambda round_=round_, scores=scores: calls.append(round_) or scores)
         for key, score in zip(keys, scores):
             one_by_one.add(key, score)
+        if round_ < 20:  # nothing popped or touched yet: the callables wait
+            assert calls == []
+            continue
         pops = int(rng.integers(0, 4))
-        for order in (batched, one_by_one):
+        for order in (batched, one_by_one, called):
             order.touch(keys[0])
             if round_ % 5 == 0:
                 order.remove(keys[-1])
             victims[id(order)] += [order.pop() for _ in range(pops) if len(order)]
-    assert victims[id(batched)] == victims[id(one_by_one)] and len(victims[id(batched)]) > 30
-    assert batched.inflation == one_by_one.inflation and len(batched) == len(one_by_one)
+    assert victims[id(batched)] == victims[id(one_by_one)] == victims[id(called)] and len(victims[id(batched)]) > 30
+    assert batched.inflation == one_by_one.inflation == called.inflation
+    assert len(batched) == len(one_by_one) == len(called)
+    assert 0 < len(calls) == len(set(calls))  # each callable ran once at most
     with pytest.raises(InvalidRequestError, match="score >= 0"):
         batched.add_many(["x", "y"], [1.0, float("nan")])
     with pytest.raises(InvalidRequestError, match="score >= 0"):
@@ -126,27 +132,12 @@ def test_greedy_dual_add_many_orders_victims_as_one_add_per_key():
     assert "x" not in batched
 
 
-def test_greedy_dual_calls_a_batch_s_score_callable_once_a_victim_is_needed_and_orders_as_eager_scores():
-    rng = np.random.default_rng(11)
-    lazy, eager = GreedyDualOrder(), GreedyDualOrder()
-    calls, victims = [], {id(lazy): [], id(eager): []}
-    for round_ in range(80):
-        keys = [f"k{round_}-{i}" for i in range(int(rng.integers(1, 12)))]
-        scores = [float(s) if s > 0.3 else 0.0 for s in rng.random(len(keys)) * 4]
-        lazy.add_many(keys, lambda round_=round_, scores=scores: calls.append(round_) or scores)
-        eager.add_many(keys, scores)
-        if round_ < 20:
-            assert calls == []  # nothing popped or touched yet: no score computed
-            continue
-        pops = int(rng.integers(0, 4))
-        for order in (lazy, eager):
-            order.touch(keys[0])
-            if round_ % 5 == 0:
-                order.remove(keys[-1])
-            victims[id(order)] += [order.pop() for _ in range(pops) if len(order)]
-    assert victims[id(lazy)] == victims[id(eager)] and len(victims[id(lazy)]) > 30
-    assert lazy.inflation == eager.inflation and len(lazy) == len(eager)
-    assert sorted(calls) == sorted(set(calls))  # each callable ran at most once
+def test_greedy_dual_calls_a_batch_s_score_callable_only_for_a_victim_and_checks_what_it_gives():
+    order, calls = GreedyDualOrder(), []
+    order.add_many(["a", "b"], lambda: calls.append("ab") or [2.0, 1.0])
+    order.add_many(["c"], lambda: calls.append("c") or [3.0])
+    assert calls == [] and len(order) == 3 and "b" in order
+    assert order.pop() == "b" and calls == ["ab", "c"]
     bad = GreedyDualOrder()
     bad.add_many(["x", "y"], lambda: [1.0, float("nan")])
     with pytest.raises(InvalidRequestError, match="score >= 0"):  # checked when it is called
