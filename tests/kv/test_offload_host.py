@@ -64,6 +64,7 @@ def test_a_store_given_a_callable_for_its_scores_calls_it_only_to_choose_a_victi
     assert index.assign_many(0, [b"a", b"b", b"c"], scores([5.0, 1.0, 3.0])) == [1, 2, 3]
     assert index.assign_many(0, [b"d", b"e"], scores([4.0, 2.0])) == [4, 5]
     assert calls == []  # free slots: no score was needed
+    assert index.assign_many(0, [], scores([])) == [] and len(index) == 5  # an empty store changes nothing
     assert index.assign_many(0, [b"f", b"g"], scores([9.0, 9.0])) == [2, 5]  # "b" then "e" give their slots up
     assert calls == [[9.0, 9.0], [5.0, 1.0, 3.0], [4.0, 2.0]]
     assert not index.contains((0, b"b")) and not index.contains((0, b"e")) and len(index) == 5

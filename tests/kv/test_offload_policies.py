@@ -138,6 +138,8 @@ def test_greedy_dual_calls_a_batch_s_score_callable_only_for_a_victim_and_checks
     order.add_many(["c"], lambda: calls.append("c") or [3.0])
     assert calls == [] and len(order) == 3 and "b" in order
     assert order.pop() == "b" and calls == ["ab", "c"]
+    order.add_many([], lambda: [])  # an empty batch: nothing waits
+    assert len(order) == 2 and order.pop() == "a"
     bad = GreedyDualOrder()
     bad.add_many(["x", "y"], lambda: [1.0, float("nan")])
     with pytest.raises(InvalidRequestError, match="score >= 0"):  # checked when it is called

@@ -83,6 +83,8 @@ class GreedyDualOrder:
         slots never computes them."""
         if not callable(scores) or self._heap:
             scores = _checked(scores() if callable(scores) else scores, len(keys))
+        if not keys:  # nothing to add (a retention policy may keep none of a turn's pages)
+            return
         first = self._sequence + 1
         self._sequence += len(keys)
         sequences = range(first, first + len(keys))
