@@ -134,11 +134,12 @@ def test_greedy_dual_add_many_orders_victims_as_one_add_per_key_with_scores_give
 
 def test_greedy_dual_calls_a_batch_s_score_callable_only_for_a_victim_and_checks_what_it_gives():
     order, calls = GreedyDualOrder(), []
+    order.add_many([], lambda: calls.append("empty") or [])  # an empty batch: nothing waits
     order.add_many(["a", "b"], lambda: calls.append("ab") or [2.0, 1.0])
     order.add_many(["c"], lambda: calls.append("c") or [3.0])
     assert calls == [] and len(order) == 3 and "b" in order
     assert order.pop() == "b" and calls == ["ab", "c"]
-    order.add_many([], lambda: [])  # an empty batch: nothing waits
+    order.add_many([], lambda: [])  # once evicting too
     assert len(order) == 2 and order.pop() == "a"
     bad = GreedyDualOrder()
     bad.add_many(["x", "y"], lambda: [1.0, float("nan")])
