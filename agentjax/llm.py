@@ -53,9 +53,13 @@ class RequestOutput:
 
 
 class LLM:
-    """A model plus an engine. Engine settings come by their CLI names in snake case."""
+    """A model plus an engine. Engine settings come by their CLI names in snake case.
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", **engine_args: Any):
+    `dtype` is the model's; `gguf_blocks` keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices in their blocks
+    and dequantises them inside the step (default: when `dtype` is float32; see `load_model`)."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", gguf_blocks: bool | None = None,
+                 **engine_args: Any):
         from agentjax.models import load_model
 
         unknown = set(engine_args) - _ENGINE_FIELDS
@@ -68,7 +72,7 @@ class LLM:
             from sharding.distributed import initialize
 
             initialize(self.engine_config)  # before any device is used
-        self.model_config, self.params, self.tokenizer = load_model(model, dtype=dtype)
+        self.model_config, self.params, self.tokenizer = load_model(model, dtype=dtype, gguf_blocks=gguf_blocks)
         self.engine = make_engine(self.model_config, self.params, self.engine_config, self.tokenizer)
 
     def _require_tokenizer(self, what: str) -> None:

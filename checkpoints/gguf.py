@@ -2,7 +2,10 @@
 
 Reads metadata and tensors with the `gguf` package, dequantises every supported tensor type to
 float32, undoes the Q/K row permutation that GGUF conversion applies to llama models, and maps
-tensor names onto agentjax's parameter names. Host only: never imports jax.
+tensor names onto agentjax's parameter names. With `keep_blocks`, matrices in the Q4_0, Q4_1 and Q8_0
+formats stay in their blocks instead (`agentjax.models.block_weights.BlockWeight`, checked bit for bit
+against the float32 dequantisation), so the step reads a quarter of the bytes. Host only: jax is
+imported only to build those BlockWeights.
 """
 from __future__ import annotations
 
@@ -151,6 +154,33 @@ def dequantize(tensor: Any) -> np.ndarray:
     return np.ascontiguousarray(array.reshape(shape), dtype=np.float32)
 
 
+# Block layouts kept on the device: (bytes per block of 32, has a float16 minimum, integer kind).
+_BLOCK_FORMATS = {"Q4_0": (18, False, "nibbles"), "Q4_1": (20, True, "nibbles"), "Q8_0": (34, False, "int8")}
+
+
+def block_parts(tensor: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """`(q, scale, offset)` of a Q4_0, Q4_1 or Q8_0 tensor in numpy's [out, in] order, blocks of 32 along
+    `in` (value = q * scale + offset; Q4_0's `(q - 8) * d` becomes offset `-8 d`); None for other types."""
+    layout = _BLOCK_FORMATS.get(tensor.tensor_type.name)
+    if layout is None:
+        return None
+    block_bytes, has_min, kind = layout
+    out_features, in_features = (int(d) for d in reversed(tensor.shape))
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, block_bytes)
+    scale = raw[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    if kind == "int8":
+        q = raw[:, 2:].copy().view(np.int8)
+        offset = None
+    else:
+        start = 4 if has_min else 2
+        nibbles = raw[:, start:]
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1)  # element j in the low, j + 16 in the high nibble
+        offset = raw[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] if has_min else -8.0 * scale
+    blocks = (out_features, in_features // 32)
+    return (q.reshape(out_features, in_features), scale.reshape(blocks),
+            None if offset is None else offset.reshape(blocks))
+
+
 def param_name(gguf_name: str) -> str | None:
     """agentjax's parameter name for a GGUF tensor name, or None if it has no role."""
     if gguf_name == "token_embd.weight":
@@ -165,8 +195,13 @@ def param_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:
-    """`(config, flat float32 arrays, reader)`; the reader serves the tokenizer."""
+def _is_kernel(name: str) -> bool:
+    return name.endswith("kernel") or name == "lm_head"
+
+
+def load_gguf(path: str | Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, Any], Any]:
+    """`(config, flat float32 arrays, reader)`; the reader serves the tokenizer. With `keep_blocks`, the
+    embedding and the kernels stored as Q4_0, Q4_1 or Q8_0 are BlockWeights instead of float32 arrays."""
     reader = open_gguf(path)
     meta = metadata(reader)
     cfg = config_from_metadata(meta, name=Path(path).stem)
@@ -178,12 +213,21 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Any
                 raise UnsupportedModelError(f"{path}: per-frequency RoPE factors (rope_freqs) are not supported")
             logger.warning("ignoring GGUF tensor %s", tensor.name)
             continue
-        array = dequantize(tensor)
-        if name.endswith("kernel") or name == "lm_head":
+        array = dequantized = dequantize(tensor)
+        parts = block_parts(tensor) if keep_blocks and (name == "embed" or _is_kernel(name)) else None
+        if parts is not None:
+            from agentjax.models.block_weights import BlockWeight
+
+            array = BlockWeight(*parts, axis=-1)
+            if not np.array_equal(np.asarray(array), dequantized):
+                raise ModelLoadError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) does not read back "
+                                     "from its blocks as it dequantises; load it with keep_blocks=False")
+        if _is_kernel(name):
             if cfg.architecture == "llama" and name.endswith(("q_proj.kernel", "k_proj.kernel")):
                 heads = cfg.num_heads if name.endswith("q_proj.kernel") else cfg.num_kv_heads
-                array = unpermute_qk(array, heads)
-            array = np.ascontiguousarray(array.T)  # [out, in] -> [in, out]
+                array = array.map_parts(lambda p, h=heads: unpermute_qk(p, h)) if parts else unpermute_qk(array, heads)
+            # [out, in] -> [in, out]
+            array = array.swap_last_axes() if parts else np.ascontiguousarray(array.T)
         arrays[name] = array
     if "embed" not in arrays:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor")

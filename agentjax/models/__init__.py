@@ -38,19 +38,22 @@ def _checked(cfg: ModelConfig, arrays: dict, where: str) -> None:
     check_tensors(expected_shapes(cfg), arrays, where=where)
 
 
-def _load_gguf_cached(path: Path, use_cache: bool) -> tuple[ModelConfig, dict]:
+def _load_gguf_cached(path: Path, use_cache: bool, keep_blocks: bool = False) -> tuple[ModelConfig, dict]:
     """Convert a GGUF file, or restore its converted arrays from the orbax cache after verifying
     them against the checksums recorded at conversion. An entry that fails (or cannot be read)
-    is named in a warning, reconverted from the GGUF file and rewritten."""
+    is named in a warning, reconverted from the GGUF file and rewritten. With `keep_blocks`, block-quantised
+    matrices stay BlockWeights (agentjax.models.block_weights); such an entry is cached apart."""
     from checkpoints.embedded import cache_dir
     from checkpoints.gguf import load_gguf
+    from agentjax.models.block_weights import flatten_blocks, unflatten_blocks
     from checkpoints.orbax_io import cache_key, restore_params, save_params
 
-    entry = cache_dir() / "converted" / f"{path.stem}-{cache_key(path)}"
+    entry = cache_dir() / "converted" / f"{path.stem}-{cache_key(path)}{'-blocks' if keep_blocks else ''}"
     if use_cache and entry.exists():
         try:
             started = time.perf_counter()
-            cfg, arrays = restore_params(entry)
+            cfg, flat = restore_params(entry)
+            arrays = unflatten_blocks(flat)
             _checked(cfg, arrays, f"converted-weights cache entry {entry}")
             logger.info("restored %s from %s in %.1fs", path.name, entry, time.perf_counter() - started)
             return cfg, arrays
@@ -60,12 +63,12 @@ def _load_gguf_cached(path: Path, use_cache: bool) -> tuple[ModelConfig, dict]:
                 path, entry, type(exc).__name__, exc,
             )
     started = time.perf_counter()
-    cfg, arrays, _ = load_gguf(path)
+    cfg, arrays, _ = load_gguf(path, keep_blocks=keep_blocks)
     logger.info("converted %s in %.1fs", path.name, time.perf_counter() - started)
     _checked(cfg, arrays, str(path))
     if use_cache:
         try:
-            save_params(entry, cfg, arrays)
+            save_params(entry, cfg, flatten_blocks(arrays))
         except OSError as exc:
             logger.warning("could not cache converted model at %s: %s", entry, exc)
     return cfg, arrays
@@ -89,9 +92,15 @@ def resolve_model_path(spec: str | None) -> Path | None:
 
 
 def load_model(
-    spec: str | None = None, *, dtype: str = "float32", use_cache: bool = True, seed: int = 0
+    spec: str | None = None, *, dtype: str = "float32", use_cache: bool = True, seed: int = 0,
+    gguf_blocks: bool | None = None,
 ) -> tuple[ModelConfig, Any, Any]:
-    """`(config, params, tokenizer)` for a model spec; params are an `nnx.State` on the device."""
+    """`(config, params, tokenizer)` for a model spec; params are an `nnx.State` on the device.
+
+    `gguf_blocks`: keep a GGUF file's Q4_0, Q4_1 and Q8_0 matrices in their blocks on the device and
+    dequantise them inside the step (the same float32 weights, a quarter of the bytes read; see
+    agentjax.models.block_weights). The default (None) keeps them in float32 models, where the weights
+    are bit-identical; other dtypes convert at load."""
     from checkpoints.embedded import smollm2_path
 
     path = resolve_model_path(spec)
@@ -104,7 +113,8 @@ def load_model(
 
         cfg, arrays, tokenizer = load_hf(path, expected_shapes)  # every check runs here, on the host
     elif path.suffix == ".gguf":
-        cfg, arrays = _load_gguf_cached(path, use_cache)
+        keep_blocks = dtype == "float32" if gguf_blocks is None else gguf_blocks
+        cfg, arrays = _load_gguf_cached(path, use_cache, keep_blocks)
         tokenizer = _tokenizer_from_gguf(path)
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or an HF directory with config.json")

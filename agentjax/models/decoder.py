@@ -21,7 +21,8 @@ from jaxtyping import Array, Float
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import kv_slots
 from agentjax.models.layer_plan import LayerKind, Segment, layer_kinds, segment_slot_table, segments_of
-from agentjax.models.layers import GatedMLP, RMSNorm, _init, dense
+from agentjax.models.block_weights import project, take_rows
+from agentjax.models.layers import GatedMLP, RMSNorm, _init
 from agentjax.models.residual import layer_residual, residual_stream
 
 if TYPE_CHECKING:
@@ -174,14 +175,14 @@ class Decoder(nnx.Module):
         return hidden, stream[0] if self.hyper_connected else hidden, kv
 
     def embed_tokens(self, token_ids: Array) -> Float[Array, "tokens hidden"]:
-        x = jnp.take(self.embed[...], token_ids, axis=0)
+        x = take_rows(self.embed.get_value(), token_ids)
         if self.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
         return x
 
     def logits(self, hidden: Float[Array, "rows hidden"], numerics: str = "fast") -> Float[Array, "rows vocab"]:
-        kernel = self.embed[...].T if self.tied else self.lm_head[...]
-        logits = dense(hidden, kernel, numerics).astype(jnp.float32)
+        head = self.embed.get_value() if self.tied else self.lm_head.get_value()
+        logits = project(hidden, head, numerics, transposed=self.tied).astype(jnp.float32)
         if self.final_logit_softcap:
             cap = self.final_logit_softcap
             logits = jnp.tanh(logits / cap) * cap

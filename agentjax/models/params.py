@@ -3,7 +3,8 @@
 Checkpoint readers produce flat numpy dicts with one name per layer; `params_from_arrays` checks
 every name and shape against the abstract model first (nothing reaches the device before all of
 them pass), then stacks the layers into the `[repeats, ...]` parameters of the model's segments
-(`segments.{k}.blocks.{j}.*`, see layer_plan.py); `arrays_from_params` splits them back.
+(`segments.{k}.blocks.{j}.*`, see layer_plan.py; a BlockWeight part by part); `arrays_from_params`
+splits them back (as float32).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from agentjax.config import ModelConfig
+from agentjax.models.block_weights import BlockWeight
 from agentjax.models.decoder import Decoder
 from agentjax.models.layer_plan import per_layer_names
 
@@ -63,12 +65,19 @@ def params_from_arrays(cfg: ModelConfig, arrays: Mapping[str, np.ndarray]) -> nn
         names = per_layer_names(cfg, name)
         # Integer parameters (a hash-routing table) keep their integer type; weights take the model's.
         dtype = variable.get_value().dtype if jnp.issubdtype(variable.get_value().dtype, jnp.integer) else cfg.dtype
-        if names == [name]:
-            value = jnp.asarray(arrays[name], dtype=dtype)
-        else:
-            value = jnp.stack([jnp.asarray(arrays[n], dtype=dtype) for n in names])
-        flat.append((path, variable.replace(value=value)))
+        flat.append((path, variable.replace(value=_device_value([arrays[n] for n in names], dtype, names != [name]))))
     return nnx.from_flat_state(flat)
+
+
+def _device_value(values: list, dtype, stacked: bool):
+    """One parameter on the device: an array, or the layers' arrays stacked. BlockWeights stay blocks when
+    the model is float32 and every layer's is of one format; else they are dequantised here."""
+    first = values[0]
+    if isinstance(first, BlockWeight) and jnp.dtype(dtype) == jnp.float32 and all(first.same_format(v) for v in values):
+        return BlockWeight.stack(values) if stacked else first.to_device()
+    if stacked:
+        return jnp.stack([jnp.asarray(np.asarray(v), dtype=dtype) for v in values])
+    return jnp.asarray(np.asarray(first), dtype=dtype)
 
 
 def arrays_from_params(cfg: ModelConfig, params: nnx.State) -> dict[str, np.ndarray]:

@@ -42,7 +42,10 @@ def test_flipped_cache_bytes_are_reconverted_and_tokens_are_unchanged(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="agentjax.models"):
         second = _greedy_tokens()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(entry.name in w and "fail verification" in w and "reconverting" in w for w in warnings), warnings
+    # The flip is caught by the recorded checksums, or earlier by the reader where it lands in a
+    # compressed chunk (the block-quantised weights compress; float32 ones are stored raw).
+    assert any(entry.name in w and "reconverting" in w and ("fail verification" in w or "Error reading" in w)
+               for w in warnings), warnings
     assert second.token_ids == first.token_ids
 
     restore_params(entry)  # the rewritten entry verifies again
