@@ -1,6 +1,7 @@
 """Generation benchmark: agentjax against HF transformers on SmolLM2-135M, CPU, written to BENCHMARKS.md.
 
-Both sides load the same GGUF file (the embedded SmolLM2-135M-Instruct, dequantised to float32), get
+Both sides load the same GGUF file (the embedded SmolLM2-135M-Instruct: float32 weights; transformers
+dequantises them at load, agentjax keeps the Q4_1/Q8_0 blocks and dequantises inside the step), get
 the same token ids (from agentjax's tokenizer), decode greedily with no early stop, and run on the
 same number of CPU threads. transformers runs in a separate Python (`--hf-python`, torch CPU) through
 `scripts/bench_generate_hf_peer.py`; the two sides take turns, one timed run each, round after round,
@@ -473,8 +474,10 @@ def main() -> None:
         f"{versions}. Shared with other jobs: load average {load_start[0]:.1f} at the start, "
         f"{load_end[0]:.1f} at the end, so figures are noisy.",
         "",
-        f"Both sides: SmolLM2-135M-Instruct from the same GGUF file (`{gguf.name}`, dequantised to float32), "
-        f"the same prompt token ids, greedy, no early stop, {args.threads} threads each. transformers: "
+        f"Both sides: SmolLM2-135M-Instruct from the same GGUF file (`{gguf.name}`) with the same float32 weights: "
+        f"transformers dequantises them at load; agentjax keeps the file's Q4_1/Q8_0 blocks on the device and "
+        f"dequantises each matrix inside the step (bit-identical values, about a quarter of the bytes read). "
+        f"The same prompt token ids, greedy, no early stop, {args.threads} threads each. transformers: "
         f"`from_pretrained(gguf_file=...)`, `generate(do_sample=False, eos_token_id=[])`, "
         f"default KV cache, batch left-padded. agentjax: `LLM(numerics=\"fast\", max_num_batched_tokens=2048, "
         f"max_num_seqs=64, enable_prefix_caching=False)`. Decode tok/s = generated tokens / wall time of the "

@@ -16,6 +16,7 @@ import argparse
 import collections
 import datetime
 import gzip
+import itertools
 import json
 import os
 import re
@@ -33,14 +34,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from agentjax.models import load_model  # noqa: E402
+from agentjax.models.block_weights import HEAD_CHUNK_ROWS  # noqa: E402
 from agentjax.ragged_batch import RaggedBatch  # noqa: E402
 from agentjax.runner import make_step  # noqa: E402
 from scripts.benchmarks_md import write_section  # noqa: E402
 
 SECTION = "## Where a CPU step's time goes (SmolLM2-135M, profile)"
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\][^\n]*?op_name=\"([^\"]*)\"", re.MULTILINE)
+WEIGHTS = "weight slices and dequantisation"
 CATEGORIES = ("MLP gate/up/down matmuls", "attention q/k/v/o projections", "LM head", "attention (paged, incl. loops)",
-              "weight slices of the layer scan", "other")
+              WEIGHTS, "other")
+
+
+def weight_shapes(cfg) -> set[tuple[int, int]]:
+    """The 2-D shapes of the model's matrices (kernels [in, out]; a tied LM head's chunks [rows, hidden])."""
+    hidden, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {(hidden, q_out), (hidden, kv_out), (q_out, hidden), (hidden, cfg.intermediate_size),
+            (cfg.intermediate_size, hidden), (HEAD_CHUNK_ROWS, hidden), (cfg.vocab_size, hidden)}
 
 
 def classify(shape: tuple[int, ...], op_name: str, operand_shapes: list[tuple[int, ...]], cfg) -> str | None:
@@ -49,14 +59,17 @@ def classify(shape: tuple[int, ...], op_name: str, operand_shapes: list[tuple[in
     attention_loop = "/while/body/eval_jaxpr/while/body" in op_name or "/cond/" in op_name
     if attention_loop:
         return "attention (paged, incl. loops)"
-    if "dynamic_slice" in op_name and len(shape) == 2:
-        return "weight slices of the layer scan"
     if op_name.endswith("dot_general") and len(shape) == 2:
-        if shape[-1] == cfg.vocab_size:
+        # A block-quantised tied LM head runs in chunks of HEAD_CHUNK_ROWS output columns.
+        if shape[-1] == cfg.vocab_size or (shape[-1] == HEAD_CHUNK_ROWS != cfg.intermediate_size
+                                           and any(s[-1:] == (cfg.hidden_size,) for s in operand_shapes)):
             return "LM head"
         if shape[-1] == cfg.intermediate_size or any(s[-1:] == (cfg.intermediate_size,) for s in operand_shapes):
             return "MLP gate/up/down matmuls"
         return "attention q/k/v/o projections"
+    # A layer's float32 weights sliced out of the stacked arrays, or a BlockWeight dequantised.
+    if len(shape) == 2 and ("dynamic_slice" in op_name or shape in weight_shapes(cfg)):
+        return WEIGHTS
     return "other" if op_name else None
 
 
@@ -119,6 +132,7 @@ def main() -> None:
 
     load_start = os.getloadavg()[0]
     cfg, params, _ = load_model(None)
+    _, float32_params, _ = load_model(None, gguf_blocks=False)
     step = make_step(cfg)
     page = 16
     pages_per_row = -(-(args.context + 1) // page)
@@ -133,8 +147,10 @@ def main() -> None:
     cases = [(f"decode, {args.rows} rows at {args.context} cached tokens", decode, args.rows),
              (f"prefill, {args.prefill} tokens", prefill, args.prefill)]
     results = []
-    for label, batch, tokens in cases:
-        wall, per_category = profile(step, params, kv, batch, cfg, args.steps)
+    for (label, batch, tokens), (weights, weight_params) in itertools.product(
+            cases, (("GGUF blocks", params), ("float32 weights", float32_params))):
+        label = f"{label}, {weights}"
+        wall, per_category = profile(step, weight_params, kv, batch, cfg, args.steps)
         results.append((label, batch.shape_key(), wall, tokens, per_category))
         print(f"{label}: step {wall * 1e3:.1f} ms ({tokens / wall:.0f} tok/s)", flush=True)
         total = sum(per_category.values())
