@@ -87,10 +87,15 @@ def test_project_in_chunks_equals_the_dense_matmul(monkeypatch, numerics, transp
     got = jax.jit(lambda x, w: project(x, w, numerics, transposed=transposed))(x, weight)
     assert got.shape == (5, 128)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
-    # An output width that is no multiple of the chunk takes one whole matrix.
-    narrow = _random_block_weight(64, 96, -2, seed=3).to_device()
-    np.testing.assert_allclose(np.asarray(project(x, narrow, numerics)),
-                               np.asarray(dense(x, jnp.asarray(np.asarray(narrow)), numerics)), rtol=1e-5, atol=1e-5)
+    # An output width that is no multiple of the chunk (Gemma-3's 262,144-token vocabulary): whole chunks,
+    # then the rest; one narrower than two chunks is one matrix.
+    for columns in (80, 48):
+        ragged = (_random_block_weight(columns, 64, -1, seed=3) if transposed
+                  else _random_block_weight(64, columns, -2, seed=3)).to_device()
+        matrix = jnp.asarray(np.asarray(ragged))
+        np.testing.assert_allclose(np.asarray(project(x, ragged, numerics, transposed=transposed)),
+                                   np.asarray(dense(x, matrix.T if transposed else matrix, numerics)),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_flat_cache_form_round_trips_and_names_a_broken_entry():
