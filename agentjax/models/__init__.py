@@ -43,9 +43,9 @@ def _load_gguf_cached(path: Path, use_cache: bool, keep_blocks: bool = False) ->
     them against the checksums recorded at conversion. An entry that fails (or cannot be read)
     is named in a warning, reconverted from the GGUF file and rewritten. With `keep_blocks`, block-quantised
     matrices stay BlockWeights (agentjax.models.block_weights); such an entry is cached apart."""
+    from agentjax.models.block_weights import flatten_blocks, unflatten_blocks
     from checkpoints.embedded import cache_dir
     from checkpoints.gguf import load_gguf
-    from agentjax.models.block_weights import flatten_blocks, unflatten_blocks
     from checkpoints.orbax_io import cache_key, restore_params, save_params
 
     entry = cache_dir() / "converted" / f"{path.stem}-{cache_key(path)}{'-blocks' if keep_blocks else ''}"

@@ -131,9 +131,9 @@ def test_gguf_block_parts_read_back_exactly_as_gguf_dequantises(qtype):
     assert block_parts(SimpleNamespace(tensor_type=gguf.GGMLQuantizationType.Q6_K)) is None
 
 
-def test_load_gguf_keeps_blocks_with_the_float32_values(tmp_path):
+def _write_tiny_gguf(path):
     rng = np.random.default_rng(5)
-    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(path), "llama")
     for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 64),
                        (writer.add_feed_forward_length, 64), (writer.add_head_count, 2), (writer.add_head_count_kv, 1),
                        (writer.add_layer_norm_rms_eps, 1e-5)):
@@ -152,15 +152,39 @@ def test_load_gguf_keeps_blocks_with_the_float32_values(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
 
-    _, dense_arrays, _ = load_gguf(tmp_path / "tiny.gguf")
-    _, kept, _ = load_gguf(tmp_path / "tiny.gguf", keep_blocks=True)
+
+def test_load_gguf_keeps_blocks_with_the_float32_values(tmp_path):
+    path = _write_tiny_gguf(tmp_path / "tiny.gguf")
+    _, dense_arrays, _ = load_gguf(path)
+    _, kept, _ = load_gguf(path, keep_blocks=True)
     assert {n for n, v in kept.items() if isinstance(v, BlockWeight)} == {
         "embed", "layers.0.attn.q_proj.kernel", "layers.0.attn.k_proj.kernel"}
     assert kept["embed"].axis == -1 and kept["layers.0.attn.q_proj.kernel"].axis == -2
     for name, array in dense_arrays.items():
         assert kept[name].shape == array.shape
         np.testing.assert_array_equal(np.asarray(kept[name]), array)  # unpermuted and transposed alike
+
+
+def test_blocks_that_do_not_read_back_exactly_stay_float32(tmp_path, monkeypatch, caplog):
+    import checkpoints.gguf as gguf_module
+
+    path = _write_tiny_gguf(tmp_path / "tiny.gguf")
+    _, dense_arrays, _ = load_gguf(path)
+    real = gguf_module.block_parts
+
+    def off_by_a_scale(tensor):  # a reader bug: every scale doubled
+        parts = real(tensor)
+        return None if parts is None else (parts[0], parts[1] * 2, parts[2])
+
+    monkeypatch.setattr(gguf_module, "block_parts", off_by_a_scale)
+    with caplog.at_level("WARNING", logger="checkpoints.gguf"):
+        _, kept, _ = load_gguf(path, keep_blocks=True)
+    assert not any(isinstance(v, BlockWeight) for v in kept.values())
+    for name, array in dense_arrays.items():
+        np.testing.assert_array_equal(kept[name], array)
+    assert sum("keeping it as float32" in r.getMessage() for r in caplog.records) == 3
 
 
 # -- the embedded model --------------------------------------------------------------------------------
