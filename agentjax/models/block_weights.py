@@ -70,10 +70,6 @@ class BlockWeight:
     def dtype(self):
         return np.dtype(np.float32)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(int(np.prod(part.shape)) * np.dtype(part.dtype).itemsize for part in self.parts() if part is not None)
-
     def parts(self) -> tuple:
         return self.q, self.scale, self.offset
 

@@ -13,10 +13,10 @@ import pytest
 PROMPT = "The capital of France is"
 
 
-def _greedy_tokens():
+def _greedy_tokens(gguf_blocks: bool):
     from agentjax import LLM, SamplingParams
 
-    llm = LLM(num_kv_blocks=64)
+    llm = LLM(num_kv_blocks=64, gguf_blocks=gguf_blocks)
     return llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0))[0]
 
 
@@ -29,23 +29,24 @@ def _flip_4kb(path, offset=4096):
 
 
 @pytest.mark.slow
-def test_flipped_cache_bytes_are_reconverted_and_tokens_are_unchanged(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("gguf_blocks", [False, True], ids=["float32", "blocks"])
+def test_flipped_cache_bytes_are_reconverted_and_tokens_are_unchanged(tmp_path, monkeypatch, caplog, gguf_blocks):
     from checkpoints.orbax_io import restore_params
 
     monkeypatch.setenv("AGENTJAX_CACHE", str(tmp_path))
-    first = _greedy_tokens()  # converts and writes the cache entry
+    first = _greedy_tokens(gguf_blocks)  # converts and writes the cache entry
     assert first.text.startswith(" Paris")
     (entry,) = (tmp_path / "converted").iterdir()
     largest = max((p for p in (entry / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     _flip_4kb(largest)
 
     with caplog.at_level(logging.WARNING, logger="agentjax.models"):
-        second = _greedy_tokens()
+        second = _greedy_tokens(gguf_blocks)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    # The flip is caught by the recorded checksums, or earlier by the reader where it lands in a
-    # compressed chunk (the block-quantised weights compress; float32 ones are stored raw).
-    assert any(entry.name in w and "reconverting" in w and ("fail verification" in w or "Error reading" in w)
-               for w in warnings), warnings
+    # float32 weights are stored raw, so the recorded checksums catch the flip. Block weights compress:
+    # a flip there lands in a compressed chunk, and the reader fails on it before the checksums run.
+    caught = ("fail verification",) if not gguf_blocks else ("fail verification", "Error reading")
+    assert any(entry.name in w and "reconverting" in w and any(c in w for c in caught) for w in warnings), warnings
     assert second.token_ids == first.token_ids
 
     restore_params(entry)  # the rewritten entry verifies again
