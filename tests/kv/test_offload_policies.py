@@ -201,6 +201,22 @@ def test_greedy_dual_batches_waiting_for_a_victim_keep_touches_removals_and_orde
         order.pop()
 
 
+def test_greedy_dual_indexes_add_many_batches_only_when_another_call_needs_them():
+    lazy, eager = GreedyDualOrder(), GreedyDualOrder()
+    batches = [(["a", "b", "c"], [2.0, 1.0, 3.0]), (["d", "b"], [0.5, 4.0]), (["e"], [0.0])]  # "b" re-added
+    for keys, scores in batches:
+        lazy.add_many(keys, scores)
+        for key, score in zip(keys, scores):
+            eager.add(key, score)
+    assert lazy._live == {} and lazy._num_waiting == 6  # a filling tier: one append per store, no key index
+    assert len(lazy) == len(eager) == 5 and "b" in lazy  # counted once: its later entry is the live one
+    lazy.add_many(["f"], [0.25])
+    lazy.touch("a")  # a touch indexes the waiting batches first, in order
+    eager.add("f", 0.25)
+    eager.touch("a")
+    assert [lazy.pop() for _ in range(6)] == [eager.pop() for _ in range(6)] == ["e", "f", "d", "a", "c", "b"]
+
+
 def test_greedy_dual_pop_add_is_a_pop_then_an_add():
     rng = np.random.default_rng(7)
     combined, separate = GreedyDualOrder(), GreedyDualOrder()

@@ -68,6 +68,7 @@ class OffloadConnector:
         self.entry_score = entry_score
         self._retention = [make_retention(retention, checkpoint=isinstance(g, CheckpointGroup)) for g in kv.groups]
         self._union = union_groups(kv, self._tier_of, host)
+        self._holder_test_cache: dict[tuple, object] = {}  # (group, disk storable, remote storable) -> test
         self._known_remote: OrderedDict[TierKey, None] = OrderedDict()  # keys the Mooncake pool holds
         self._held: dict[str, _Held] = {}
         self._jobs: dict[int, str] = {}  # load job id -> request id
@@ -374,8 +375,7 @@ class OffloadConnector:
     def _stored_prefix(self, group: int, keys: list) -> int:
         """How many leading pages every tier already holds (a binary search: a turn extends an earlier
         turn's prefix, and chained keys name whole prefixes)."""
-        tests = self._holder_tests(group)
-        everywhere = tests[0] if len(tests) == 1 else lambda block_hash: all(test(block_hash) for test in tests)
+        everywhere = self._holder_test(group)
         low, high = 0, len(keys)
         while low < high:
             middle = (low + high + 1) // 2
@@ -385,17 +385,25 @@ class OffloadConnector:
                 high = middle - 1
         return low
 
-    def _holder_tests(self, group: int) -> list:
-        """For each tier that takes stores now, a test of whether it holds a block of `group` (the host's is
-        its slot dict's own `__contains__`, so the usual probe runs in C)."""
-        tests = []
-        if self.host is not None:
-            tests.append(self.host.group_slots(group).__contains__)
-        if self.disk is not None and self.health["disk"].storable():
-            tests.append(lambda block_hash: self.disk.contains((group, block_hash)))
-        if self.mooncake is not None and self.health["mooncake"].storable():
-            tests.append(lambda block_hash: (group, block_hash) in self._known_remote)
-        return tests
+    def _holder_test(self, group: int):
+        """A test of whether every tier that takes stores now holds a block of `group`. Built once per group
+        and set of storable tiers (a tier's health can change between turns); with the host tier alone it is
+        the host slot dict's own `__contains__`, so the usual probe runs in C."""
+        disk_ok = self.disk is not None and self.health["disk"].storable()
+        remote_ok = self.mooncake is not None and self.health["mooncake"].storable()
+        cache_key = (group, disk_ok, remote_ok)
+        test = self._holder_test_cache.get(cache_key)
+        if test is None:
+            tests = []
+            if self.host is not None:
+                tests.append(self.host.group_slots(group).__contains__)
+            if disk_ok:
+                tests.append(lambda block_hash: self.disk.contains((group, block_hash)))
+            if remote_ok:
+                tests.append(lambda block_hash: (group, block_hash) in self._known_remote)
+            test = tests[0] if len(tests) == 1 else lambda block_hash: all(holds(block_hash) for holds in tests)
+            self._holder_test_cache[cache_key] = test
+        return test
 
     def _add_store_rows(self, job: StoreJob, hashes: list, pages: list, positions, num_blocks: int) -> None:
         """A store job's rows: the pages (block hash, device page, block index in a turn of `num_blocks`

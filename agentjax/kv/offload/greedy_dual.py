@@ -52,23 +52,29 @@ class GreedyDualOrder:
     latest. Until a victim is first asked for (while the heap is empty), new entries wait in batches,
     oldest first, and a waiting key maps to its sequence number alone: a tier with free slots builds no
     heap and no per-key tuple, and a batch added with a callable for its scores never computes them.
-    Only a pop moves the inflation, and a pop first turns the waiting entries into heap tuples, so every
-    waiting entry's priority is the inflation then plus its score."""
+    A batch from `add_many` is not even indexed by key until some other call needs the index (then
+    every such batch is, in order), so a tier that only fills pays one append per store. Only a pop
+    moves the inflation, and a pop first turns the waiting entries into heap tuples, so every waiting
+    entry's priority is the inflation then plus its score."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Hashable, float]] = []
         self._waiting: list[_Waiting] = []
         self._waiting_starts: list[int] = []  # each batch's first sequence number, for bisect
         self._num_waiting = 0
-        # key -> its live entry: the sequence number of a waiting one, or the heap's tuple.
+        # key -> its live entry: the sequence number of a waiting one, or the heap's tuple. The last
+        # `_unindexed` waiting batches are not in it yet (`_index` adds them).
         self._live: dict[Hashable, int | tuple[float, int, Hashable, float]] = {}
+        self._unindexed = 0
         self._sequence = 0
         self.inflation = 0.0
 
     def __len__(self) -> int:
+        self._index()
         return len(self._live)
 
     def __contains__(self, key: Hashable) -> bool:
+        self._index()
         return key in self._live
 
     def add(self, key: Hashable, score: float = 0.0) -> None:
@@ -92,13 +98,15 @@ class GreedyDualOrder:
             entries = list(zip(map(self.inflation.__add__, scores), sequences, keys, scores))
             self._live.update(zip(keys, entries))
             self._into_heap(entries)
-        else:
-            self._live.update(zip(keys, sequences))
+        else:  # indexed by key when a later call needs it (`_index`)
             self._wait(_Waiting(sequences, tuple(keys), scores))
+            self._unindexed += 1
+            return
         self._drop_stale()
 
     def touch(self, key: Hashable) -> None:
         """`key` was used: its priority restarts from the current inflation."""
+        self._index()
         entry = self._live.get(key)
         if entry is None:
             return
@@ -109,10 +117,12 @@ class GreedyDualOrder:
             self._push(key, batch.resolved_scores()[batch.sequences.index(entry)])
 
     def remove(self, key: Hashable) -> None:
+        self._index()
         self._live.pop(key, None)
 
     def pop(self) -> Hashable:
         """Take the entry of lowest priority out; KeyError when empty."""
+        self._index()
         heap, live = self._heap, self._live
         if self._waiting:  # the waiting live entries become heap tuples (one rebuild when many)
             waiting = self._live_waiting()
@@ -153,6 +163,7 @@ class GreedyDualOrder:
         return victim[2]
 
     def _push(self, key: Hashable, score: float) -> None:
+        self._index()
         self._sequence += 1
         if self._heap:
             entry = (self.inflation + score, self._sequence, key, score)
@@ -162,6 +173,16 @@ class GreedyDualOrder:
             self._live[key] = self._sequence
             self._wait(_Waiting(range(self._sequence, self._sequence + 1), (key,), [score]))
         self._drop_stale()
+
+    def _index(self) -> None:
+        """Index the waiting batches `add_many` left unindexed by key, oldest first (a later entry of a
+        key replaces an earlier one, as if each had been indexed when added)."""
+        if self._unindexed:
+            live = self._live
+            for batch in self._waiting[len(self._waiting) - self._unindexed:]:
+                live.update(zip(batch.keys, batch.sequences))
+            self._unindexed = 0
+            self._drop_stale()
 
     def _wait(self, batch: _Waiting) -> None:
         self._waiting.append(batch)
@@ -186,7 +207,7 @@ class GreedyDualOrder:
                 if live.get(key) == sequence]
 
     def _clear_waiting(self) -> None:
-        self._waiting, self._waiting_starts, self._num_waiting = [], [], 0
+        self._waiting, self._waiting_starts, self._num_waiting, self._unindexed = [], [], 0, 0
 
     def _drop_stale(self) -> None:
         """Mostly replaced or removed entries: keep the live ones only."""
