@@ -260,6 +260,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context
     long_prefill_token_threshold: int = 0  # 0: no cap
     prefill_schedule_interval: int = 1
+    # Shorten a step's last prefill chunks when its tokens overflow a shape bucket (512, 1024, ...) by
+    # less than the padding up to the next one (agentjax.scheduler.Scheduler._trim_to_bucket).
+    trim_prefill_to_buckets: bool = True
     enable_prefix_caching: bool = True
     numerics: Numerics = "fast"
     seed: int = 0

@@ -14,25 +14,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from agentjax.buckets import PAGE_BUCKETS, SEQ_BUCKETS, TOKEN_BUCKETS, bucket  # noqa: F401 (re-exported)
 from agentjax.errors import InvalidRequestError
-
-# Few buckets: each (tokens, rows, pages) shape is one compilation of the whole model (seconds
-# on a CPU). Small rows and tokens share one bucket; padding a decode batch of 1 row to 8 costs
-# little next to the weights every row reads.
-TOKEN_BUCKETS = (8, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-SEQ_BUCKETS = (8, 16, 32, 64, 128, 256)
-PAGE_BUCKETS = (8, 32, 128, 512, 2048, 8192, 32768, 131072)
-
-
-def bucket(value: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket that holds `value`, or the next power of two above the largest."""
-    for size in buckets:
-        if value <= size:
-            return size
-    size = buckets[-1]
-    while size < value:
-        size *= 2
-    return size
 
 
 @jax.tree_util.register_dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from agentjax.buckets import TOKEN_BUCKETS, bucket, bucket_below
 from agentjax.config import EngineConfig
 from agentjax.kv import KVCacheManager
 from agentjax.scheduler.request import Request, RequestState
@@ -25,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 # Smallest prefill chunk the adaptive threshold hands out, so long prompts still progress.
 ADAPTIVE_MIN_CHUNK = 32
+# A step is trimmed to a token bucket only from this bucket up: below it a step's time hardly depends
+# on its tokens (the weights it reads dominate), so the padding costs little and the delay would not pay.
+MIN_TRIM_BUCKET = 256
 
 
 @dataclass
@@ -66,6 +70,8 @@ class Scheduler:
     this step (never below `ADAPTIVE_MIN_CHUNK`), so a long prompt yields to many short turns
     and runs at full width when alone. `prefill_schedule_interval=N` admits new requests only on
     steps whose index is a multiple of N; the steps between are pure decode and continuation.
+    `trim_prefill_to_buckets` shortens a step's last prefill chunks when its tokens overflow a token
+    bucket by less than the padding to the next one (`_trim_to_bucket`).
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, watermark: float = 0.01, offload=None,
@@ -279,6 +285,8 @@ class Scheduler:
                 lookahead = 0
             out.scheduled.append(ScheduledRequest(request, count, True, num_lookahead_tokens=lookahead))
             budget -= count
+        if self.config.trim_prefill_to_buckets:
+            self._trim_to_bucket(out)
         for item in out.scheduled:
             item.page_tables = self.kv.block_ids(item.request.request_id)
         out.kv_copies = self.kv.take_pending_copies()
@@ -286,6 +294,29 @@ class Scheduler:
             out.kv_transfers = self.offload.take_transfers()
         self.step_index += 1
         return out
+
+    def _trim_to_bucket(self, out: SchedulerOutput) -> None:
+        """Shorten this step's last prefill chunks so that its tokens fill the token bucket below instead
+        of padding far into the next: when T tokens overflow the bucket below by less than the padding up
+        to the bucket above (600 tokens: 88 past 512, 424 short of 1024), the overflow waits for the next
+        step, which a running prefill or decode usually makes anyway, and the step computes 512 token
+        positions instead of 1024. Each trimmed row keeps at least one token; rows with lookahead pages or
+        draft tokens, and models with recurrent-state boundaries (chunks must end on them), are left alone."""
+        total = out.num_tokens
+        below = bucket_below(total, TOKEN_BUCKETS)
+        excess = total - below
+        if below < MIN_TRIM_BUCKET or excess >= bucket(total, TOKEN_BUCKETS) - total or self.checkpoint_tokens:
+            return
+        trimmable = [item for item in out.scheduled
+                     if item.is_prefill and not item.num_lookahead_tokens and not item.draft_token_ids]
+        if sum(item.num_new_tokens - 1 for item in trimmable) < excess:
+            return
+        for item in reversed(trimmable):  # the latest chunks wait: earlier rows keep their place
+            cut = min(excess, item.num_new_tokens - 1)
+            item.num_new_tokens -= cut
+            excess -= cut
+            if not excess:
+                break
 
     def update_from_output(self, out: SchedulerOutput, sampled: list) -> list[tuple[Request, list[int]]]:
         """Advance the scheduled requests after the model ran; `sampled` has per row its sampled token

@@ -22,3 +22,10 @@ def test_vllm_short_flags_are_accepted():
     args = build_parser().parse_args(["serve", "-tp", "2", "-dp", "4", "-dcp", "2", "-pcp", "1"])
     cfg = engine_config_from_args(args, _engine_args(args))
     assert cfg.parallel.name == "dp4-tp2-dcp2"
+
+
+def test_prefill_trimming_is_on_unless_the_flag_turns_it_off():
+    on = build_parser().parse_args(["serve"])
+    off = build_parser().parse_args(["serve", "--no-trim-prefill-to-buckets"])
+    assert engine_config_from_args(on, _engine_args(on)).trim_prefill_to_buckets
+    assert not engine_config_from_args(off, _engine_args(off)).trim_prefill_to_buckets
