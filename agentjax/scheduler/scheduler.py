@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 
 # Smallest prefill chunk the adaptive threshold hands out, so long prompts still progress.
 ADAPTIVE_MIN_CHUNK = 32
-# A step is trimmed to a token bucket only from this bucket up: below it a step's time hardly depends
-# on its tokens (the weights it reads dominate), so the padding costs little and the delay would not pay.
+# A step is trimmed only to a token bucket of at least this many tokens. Smaller steps are bound by
+# reading the weights on a GPU, so their padding costs little there, and a trimmed row always waits a step.
 MIN_TRIM_BUCKET = 256
 
 
