@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agentjax.kv.groups import CheckpointGroup
+from agentjax.kv.block_pool import NULL_PAGE
+from agentjax.kv.groups import CheckpointGroup, PrefixGroup
 from agentjax.kv.offload.disk import DiskTier, TierKey
 from agentjax.kv.offload.host import HostPageIndex
 from agentjax.kv.offload.policies import make_retention
@@ -346,12 +347,17 @@ class OffloadConnector:
             return
         branch = bool(getattr(request.hints, "branch_point", False))
         being_written = {dst for _, _, dst in kv._pending_copies}  # a checkpoint not yet copied
-        for group, retention in zip(kv.groups, self._retention):
+        for group, retention, table in zip(kv.groups, self._retention, state.tables):
             group_id, index = group.group_id, pool.cached[group.group_id]
             keys = group.page_keys(state.hashes)
             stored = self._stored_prefix(group_id, keys)  # earlier turns stored these already
             unstored = keys[stored:]
-            pages = list(map(index.get, unstored))  # dict reads in C
+            # A prefix group's table holds page j's tokens at j: the request's own pages need no index
+            # reads (a page another request cached first holds the same tokens). Other kinds (released
+            # window pages, checkpoint copies) are found in the index.
+            pages = table.pages[stored:len(keys)] if isinstance(group, PrefixGroup) else None
+            if pages is None or len(pages) < len(unstored) or NULL_PAGE in pages:
+                pages = list(map(index.get, unstored))  # dict reads in C
             if None in pages or being_written:  # the usual case has every page cached and none being copied
                 present = [i for i, page in enumerate(pages) if page is not None and page not in being_written]
                 unstored, pages = [unstored[i] for i in present], [pages[i] for i in present]
