@@ -20,6 +20,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages in the pool (default: sized from 1 GiB)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap on prefill tokens per request per step (0: none)")
+    parser.add_argument("--no-trim-prefill-to-buckets", dest="trim_prefill_to_buckets", action="store_false",
+                        help="always run a step's whole prefill chunks, even when that pads far past a token bucket")
     parser.add_argument("--numerics", choices=("fast", "batch_invariant"), default="fast")
     parser.add_argument("--attention-impl", choices=("auto", "kernel", "reference"), default="auto",
                         help="the model's paged, sparse and MoE ops: the Pallas kernels or the jnp references (XLA); "
@@ -53,6 +55,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        trim_prefill_to_buckets=args.trim_prefill_to_buckets,
         numerics=args.numerics,
         attention_impl=args.attention_impl,
         speculative_config=args.speculative_config,

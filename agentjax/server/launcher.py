@@ -32,8 +32,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-model-len", type=int, default=None, help="longest prompt plus output (default: the model's)")
     add("--max-num-seqs", type=int, default=64, help="requests in one step")
     add("--prefill-schedule-interval", type=int, default=1, help="steps between prefill admissions")
-    add("--no-trim-prefill-to-buckets", dest="trim_prefill_to_buckets", action="store_false",
-        help="always run a step's whole prefill chunks, even when that pads far past a token bucket")
     add("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size when --num-kv-blocks is unset")
     add("--host-cache-gb", type=float, default=0.0,
         help="host-memory KV offload tier: GB of pinned host pages (default 0: off)")
@@ -72,7 +70,6 @@ def engine_config_from_args(args: argparse.Namespace, base: dict):
 
     wanted = dict(base, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   prefill_schedule_interval=args.prefill_schedule_interval,
-                  trim_prefill_to_buckets=args.trim_prefill_to_buckets,
                   kv_cache_memory_gb=args.kv_cache_memory_gb, host_cache_gb=args.host_cache_gb,
                   disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb,
                   mooncake_master=args.mooncake_master, mooncake_segment_gb=args.mooncake_segment_gb,
