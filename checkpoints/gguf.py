@@ -1,6 +1,7 @@
 """GGUF files (llama and gemma3 architectures) into a `ModelConfig` and flat parameter arrays.
 
-Reads metadata and tensors with the `gguf` package, dequantises every supported tensor type to
+Reads metadata and tensors with `checkpoints.gguf_file` (the `gguf` package's quantisation types and
+dequantisers, without its slow reader), dequantises every supported tensor type to
 float32, undoes the Q/K row permutation that GGUF conversion applies to llama models, and maps
 tensor names onto agentjax's parameter names. With `keep_blocks`, matrices in the Q4_0, Q4_1 and Q8_0
 formats stay in their blocks instead (`agentjax.models.block_weights.BlockWeight`, checked bit for bit
@@ -18,6 +19,7 @@ import numpy as np
 
 from agentjax.config import ModelConfig, RopeScaling
 from agentjax.errors import ModelLoadError, UnsupportedModelError
+from checkpoints.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -44,30 +46,22 @@ _LAYER_TENSORS = {
 }
 
 
-def open_gguf(path: str | Path) -> Any:
-    """A `gguf.GGUFReader` over the file, with a clear error when it is missing or malformed."""
-    import gguf
-
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file's metadata and tensor views, with a clear error when it is missing or malformed."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
+        return GGUFFile(path)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def metadata(reader: Any) -> dict[str, Any]:
+def metadata(reader: GGUFFile) -> dict[str, Any]:
     """All scalar and short metadata fields (token lists are left out)."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in ("tokens", "scores", "token_type", "merges"):
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # some field layouts cannot be decoded; they are not needed
-            continue
-    return out
+    return {key: value for key, value in reader.metadata.items()
+            if not (key.startswith("tokenizer.ggml.")
+                    and key.rsplit(".", 1)[-1] in ("tokens", "scores", "token_type", "merges"))}
 
 
 def config_from_metadata(meta: dict[str, Any], name: str = "model") -> ModelConfig:
@@ -199,8 +193,8 @@ def _is_kernel(name: str) -> bool:
     return name.endswith("kernel") or name == "lm_head"
 
 
-def load_gguf(path: str | Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, Any], Any]:
-    """`(config, flat float32 arrays, reader)`; the reader serves the tokenizer. With `keep_blocks`, the
+def load_gguf(path: str | Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, Any], GGUFFile]:
+    """`(config, flat float32 arrays, the open file)`; the file's metadata serves the tokenizer. With `keep_blocks`, the
     embedding and the kernels stored as Q4_0, Q4_1 or Q8_0 are BlockWeights instead of float32 arrays."""
     reader = open_gguf(path)
     meta = metadata(reader)

@@ -14,13 +14,13 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from agentjax.errors import TokenizerError
 from checkpoints.chat_template import END_OF_TURN_TOKENS, ChatTemplate, builtin_chat_template
+from checkpoints.gguf_file import parse_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -39,72 +39,28 @@ LLAMA3_PRE_TOKENIZERS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bp
 # Metadata
 # ---------------------------------------------------------------------------------------------
 
-_GGUF_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                        10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_NUMPY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-                      10: "<u8", 11: "<i8", 12: "<f8"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
 def read_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The `tokenizer.*` and `general.architecture` keys of a GGUF file, without its tensors.
 
-    A direct reader of the key-value section: `gguf.GGUFReader` takes tens of seconds on a 262K-token
-    vocabulary because it builds a numpy view per string; this takes well under a second.
+    A direct reader of the key-value section (`checkpoints.gguf_file`): `gguf.GGUFReader` takes tens of
+    seconds on a 262K-token vocabulary because it builds a numpy view per string; this takes well
+    under a second.
     """
     try:
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            return _parse_metadata(buffer)
+            return parse_metadata(buffer, keep=_is_tokenizer_key)[0]
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as error:
         raise TokenizerError(f"cannot read tokenizer metadata from {path}: {error}") from error
 
 
-def _parse_metadata(buffer: mmap.mmap) -> dict[str, Any]:
-    magic, version, _num_tensors, num_keys = struct.unpack_from("<4sIQQ", buffer, 0)
-    if magic != b"GGUF" or not 2 <= version <= 3:
-        raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic!r}, version {version})")
-    offset = 24
-
-    def read_string() -> str:
-        nonlocal offset
-        (length,) = struct.unpack_from("<Q", buffer, offset)
-        text = buffer[offset + 8:offset + 8 + length].decode("utf-8")
-        offset += 8 + length
-        return text
-
-    def read_value(value_type: int) -> Any:
-        nonlocal offset
-        if value_type == _GGUF_STRING:
-            return read_string()
-        if value_type == _GGUF_ARRAY:
-            element_type, count = struct.unpack_from("<IQ", buffer, offset)
-            offset += 12
-            if element_type in _GGUF_NUMPY_DTYPES:
-                dtype = np.dtype(_GGUF_NUMPY_DTYPES[element_type])
-                values = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).tolist()
-                offset += dtype.itemsize * count
-                return values
-            return [read_value(element_type) for _ in range(count)]
-        if value_type not in _GGUF_SCALAR_FORMATS:
-            raise ValueError(f"unknown GGUF value type {value_type} at byte {offset}")
-        (value,) = struct.unpack_from(_GGUF_SCALAR_FORMATS[value_type], buffer, offset)
-        offset += struct.calcsize(_GGUF_SCALAR_FORMATS[value_type])
-        return value
-
-    metadata: dict[str, Any] = {}
-    for _ in range(num_keys):
-        key = read_string()
-        (value_type,) = struct.unpack_from("<I", buffer, offset)
-        offset += 4
-        value = read_value(value_type)
-        if key.startswith("tokenizer.") or key == "general.architecture":
-            metadata[key] = value
-    return metadata
+def _is_tokenizer_key(key: str) -> bool:
+    return key.startswith("tokenizer.") or key == "general.architecture"
 
 
 def _metadata_from_reader(reader: Any) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items()
-            if key.startswith("tokenizer.") or key == "general.architecture"}
+    if hasattr(reader, "metadata"):  # checkpoints.gguf_file.GGUFFile
+        return {key: value for key, value in reader.metadata.items() if _is_tokenizer_key(key)}
+    return {key: field.contents() for key, field in reader.fields.items() if _is_tokenizer_key(key)}
 
 
 def _required(metadata: Mapping[str, Any], key: str) -> Any:
@@ -246,8 +202,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike | Any) -> Tokenizer:
-        """Build from a GGUF path, or from an open `gguf.GGUFReader` (read through `.contents()`)."""
-        if hasattr(path_or_reader, "fields"):
+        """Build from a GGUF path, or from an open `checkpoints.gguf_file.GGUFFile` or `gguf.GGUFReader`."""
+        if hasattr(path_or_reader, "fields") or hasattr(path_or_reader, "metadata"):
             return cls.from_metadata(_metadata_from_reader(path_or_reader))
         return cls.from_metadata(read_tokenizer_metadata(path_or_reader))
 

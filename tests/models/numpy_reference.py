@@ -11,7 +11,8 @@ import gguf
 import numpy as np
 
 
-def _tensors(reader) -> dict[str, np.ndarray]:
+def reference_weights(reader) -> dict[str, np.ndarray]:
+    """Every tensor of the file dequantised to float64 (pass to `reference_logits` to reuse)."""
     out = {}
     for t in reader.tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -20,7 +21,7 @@ def _tensors(reader) -> dict[str, np.ndarray]:
 
 
 def _field(reader, key):
-    return reader.fields[key].contents()
+    return reader.metadata[key]
 
 
 def _rms(x, w, eps):
@@ -53,7 +54,7 @@ def _attention(q, k, v, scale, window):
     hk = k.shape[1]
     k = np.repeat(k, hq // hk, axis=1)
     v = np.repeat(v, hq // hk, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q, k) * scale
+    scores = (q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)) * scale  # [h, q, k], through BLAS
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     mask = j <= i
     if window is not None:
@@ -62,17 +63,18 @@ def _attention(q, k, v, scale, window):
     scores -= scores.max(-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", p, v)
+    return (p @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
 
 
 def _gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def reference_logits(reader, token_ids, sliding=True) -> np.ndarray:
-    """Logits at every position, float64. `sliding=False` gives gemma3 full attention everywhere."""
+def reference_logits(reader, token_ids, sliding=True, weights=None, positions=None) -> np.ndarray:
+    """Logits at every position (or at `positions`), float64. `sliding=False` gives gemma3 full
+    attention everywhere; `weights`: `reference_weights(reader)`, when the caller has them already."""
     arch = _field(reader, "general.architecture")
-    W = _tensors(reader)
+    W = weights if weights is not None else reference_weights(reader)
     n_layers = int(_field(reader, f"{arch}.block_count"))
     hq = int(_field(reader, f"{arch}.attention.head_count"))
     hk = int(_field(reader, f"{arch}.attention.head_count_kv"))
@@ -114,6 +116,6 @@ def reference_logits(reader, token_ids, sliding=True) -> np.ndarray:
         if gemma:
             mlp = _rms(mlp, W[p + "post_ffw_norm.weight"], eps)
         x = x + mlp
-    x = _rms(x, W["output_norm.weight"], eps)
+    x = _rms(x if positions is None else x[positions], W["output_norm.weight"], eps)
     head = W.get("output.weight", W["token_embd.weight"])
     return x @ head.T
