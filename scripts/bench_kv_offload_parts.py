@@ -233,7 +233,7 @@ def bench_kv_manager(args) -> list[str]:
                 f"Not run: the vLLM harness venv is missing; build it with "
                 "`bash ../shared/bench/vllm_baseline/setup.sh` and set VLLM_VENV_PYTHON to its Python.", ""]
     command = [str(python), "-c", DRIVER, "--num-traces", "20", "-C", "16", "64", "--num-blocks", "20000",
-               "--repeats", str(min(args.repeats, 5)), "--tokens-per-block", "10"]
+               "--repeats", str(args.repeats), "--tokens-per-block", "10"]
     done = subprocess.run(command, cwd=HARNESS, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                           text=True)
     if done.returncode:
