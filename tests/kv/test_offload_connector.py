@@ -227,6 +227,9 @@ def test_a_load_waits_for_room_counting_the_free_resident_pages_it_holds_too():
     # 5 resident pages to hold + 5 to stage + a 1-page watermark > 8 free: not now (and no OutOfPagesError).
     assert connector.hold(follow) is False
     kv.check_invariants()
+    # Still no room: the deferred load is not planned again at every admission attempt.
+    assert connector.hold(follow) is False and connector.hold(follow) is False
+    assert connector.stats.get("load_deferred", "all") == 1
     kv.free("other")  # room again: the next admission attempt stages the load
     assert connector.hold(follow) is True
-    assert connector.stats.get("load_deferred", "all") == 1
+    assert connector.stats.get("load_deferred", "all") == 1 and not connector._deferred

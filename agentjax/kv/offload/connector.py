@@ -75,6 +75,8 @@ class OffloadConnector:
         self._jobs: dict[int, str] = {}  # load job id -> request id
         self._job_transfers: dict[int, list[PageTransfer]] = {}
         self._attempted: dict[str, int] = {}  # request id -> preemption count of its load attempt
+        # request id -> (preemption count, free pages its last planned load needed) while it waits for room
+        self._deferred: dict[str, tuple[int, int]] = {}
         self._ids = itertools.count(1)
         self._transfers = KVTransfers()
         self._ready: list = []
@@ -152,6 +154,9 @@ class OffloadConnector:
             return False
         if self._attempted.get(request.request_id) == request.num_preemptions:
             return False
+        deferred = self._deferred.get(request.request_id)
+        if deferred is not None and deferred[0] == request.num_preemptions and self.kv.pool.num_free < deferred[1]:
+            return False  # no room yet for the load it planned last time: planning again would not find any
         if held is not None:
             del self._held[request.request_id]
         return self._stage_load(request, request.all_token_ids if token_ids is None else token_ids)
@@ -169,10 +174,13 @@ class OffloadConnector:
         if plan is None:
             return False
         transfers, device = plan
-        if len(transfers) + pool.count_free_among(device) + self.watermark > pool.num_free:
-            del self._attempted[request.request_id]  # no room to stage now: decide again at a later step
+        needed = len(transfers) + pool.count_free_among(device) + self.watermark
+        if needed > pool.num_free:
+            del self._attempted[request.request_id]  # no room to stage now: decide again once pages free up
+            self._deferred[request.request_id] = (request.num_preemptions, needed)
             self.stats.add("load_deferred", "all")
             return False
+        self._deferred.pop(request.request_id, None)
         job_id, held_pages = self.start_load(request.request_id, transfers, device)
         self._held[request.request_id] = _Held(request, "loading", job_id=job_id, held_pages=held_pages)
         self.stats.add("load_requests", "all")
@@ -246,6 +254,7 @@ class OffloadConnector:
     def on_admitted(self, request) -> None:
         """The admission took references on the loaded pages: release the connector's."""
         self._attempted.pop(request.request_id, None)
+        self._deferred.pop(request.request_id, None)
         held = self._held.pop(request.request_id, None)
         if held is not None and len(held.held_pages):
             self.kv.pool.release(held.held_pages)
@@ -253,6 +262,7 @@ class OffloadConnector:
     def drop(self, request) -> None:
         """The request ended while parked (an abort): release what it held once no copy can write it."""
         self._attempted.pop(request.request_id, None)
+        self._deferred.pop(request.request_id, None)
         held = self._held.get(request.request_id)
         if held is None:
             return
