@@ -51,6 +51,10 @@ class BlockPool:
         self.enable_events = enable_events
         self.events: list[KVEvent] = []
         self.version = 0  # bumped by every change that can alter a lookup or an allocation
+        # Index entries change only by unmapping: `page_unmapped_at[p]` is the `unmap_count` at the
+        # last unmapping of page p, so a run of pages read at count c is still mapped if none exceeds c.
+        self.unmap_count = 0
+        self.page_unmapped_at = np.zeros(num_pages, dtype=np.int64)
 
     # -- queries -------------------------------------------------------------------------------
     def cached_page(self, group: int, block_hash: BlockHash) -> int | None:
@@ -106,6 +110,8 @@ class BlockPool:
         for page in pages:
             page_hash[page] = None
         self.page_group[pages] = -1
+        self.unmap_count += 1
+        self.page_unmapped_at[pages] = self.unmap_count
         self.num_cached -= len(pages)
         self.evictions += len(pages)
         if self.enable_events:
@@ -201,6 +207,8 @@ class BlockPool:
         del self.cached[group][block_hash]
         self.page_hash[page] = None
         self.page_group[page] = -1
+        self.unmap_count += 1
+        self.page_unmapped_at[page] = self.unmap_count
         self.num_cached -= 1
         self.evictions += count
         if self.enable_events:

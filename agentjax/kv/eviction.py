@@ -389,14 +389,14 @@ class PinnedEvictionOrder(LRUEvictionOrder):
 
     # -- undo ------------------------------------------------------------------------------------
     def positions(self, pages: np.ndarray) -> np.ndarray:
-        return np.stack([self._page_stamp[pages], self._generation[pages]], axis=1)
+        return _pairs(self._page_stamp[pages], self._generation[pages])
 
     def victim_positions(self) -> np.ndarray:
         victims = self._last_victims
         generations = self._generation[victims]
         if self._last_from_tier is not None:
             generations = generations - self._last_from_tier
-        return np.stack([self._page_stamp[victims], generations], axis=1)
+        return _pairs(self._page_stamp[victims], generations)
 
     def reinstate(self, pages: np.ndarray, positions: np.ndarray) -> None:
         pages = np.asarray(pages, dtype=np.int32)
@@ -409,3 +409,11 @@ class PinnedEvictionOrder(LRUEvictionOrder):
             self._recompute(pages[changed])
         self._in_tier[pages] = False
         super().reinstate(pages, positions[:, 0])
+
+
+def _pairs(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """`np.stack([first, second], axis=1)` as int64, without its per-call overhead (once per admission)."""
+    out = np.empty((len(first), 2), dtype=np.int64)
+    out[:, 0] = first
+    out[:, 1] = second
+    return out

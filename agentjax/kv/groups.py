@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from agentjax.kv.block_pool import NULL_PAGE, BlockPool
 from agentjax.kv.hashing import BlockHash
+from agentjax.kv.known_runs import KnownRuns
 from agentjax.kv.specs import KVGroup
 
 
@@ -96,9 +99,15 @@ class PrefixGroup(GroupManager):
 
     _last_run: tuple | None = None
 
+    def __init__(self, group: KVGroup, pool: BlockPool, hash_block_size: int):
+        super().__init__(group, pool, hash_block_size)
+        # An earlier turn's run of the same prefix answers most of the next turn's without index reads.
+        self.known_runs = KnownRuns(pool, max_pages=2 * pool.num_pages)
+
     def cached_run(self, keys: list[BlockHash], max_pages: int) -> list[int]:
-        """Pages of the leading cached keys (dict lookups in C via map; remembered for reuse: a run that
-        stopped at a missing key answers any longer request too)."""
+        """Pages of the leading cached keys: a still-mapped run remembered from an earlier call, then
+        dict lookups in C via map past it. The last run is also kept for this same `keys` list: one
+        that stopped at a missing key answers any longer request too."""
         last = self._last_run
         if last is not None and last[0] is keys and last[1] == self.pool.version:
             run = last[2]
@@ -107,13 +116,19 @@ class PrefixGroup(GroupManager):
             if len(run) < last[3] or last[3] == len(keys):  # it stopped at a miss, or at the last key
                 return run
         mapped = min(max_pages, len(keys))
-        run = list(map(self.index.get, keys[:max_pages] if max_pages < len(keys) else keys))
-        try:
-            del run[run.index(None):]
-        except ValueError:
-            pass
+        run, array = self.known_runs.known_prefix(keys, mapped)
+        if len(run) < mapped:
+            tail = list(map(self.index.get, keys[len(run):mapped]))
+            try:
+                del tail[tail.index(None):]
+            except ValueError:
+                pass
+            if tail:
+                run = run + tail
+                array = np.concatenate([array, np.asarray(tail, dtype=np.int32)])
+                self.known_runs.remember(keys, run, array)
         self._last_run = (keys, self.pool.version, run, mapped)
-        return run if len(run) <= max_pages else run[:max_pages]
+        return run
 
     def find_hit(self, keys: list[BlockHash], limit: int, cap: int) -> int:
         size = self.tokens_per_page

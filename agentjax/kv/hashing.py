@@ -134,7 +134,7 @@ class PrefixHashMemo:
                 most = min(len(memo.tokens) // block_size, num_blocks, len(memo.hashes))
                 if best is not None and most <= best_blocks:
                     continue  # it cannot share more blocks than the best so far: no need to compare
-                common = _common_full_blocks(memo.tokens, tokens, block_size, len(memo.hashes))
+                common = _common_full_blocks(memo.tokens, tokens, token_bytes, block_size, len(memo.hashes))
                 if best is None or common > best_blocks:
                     best, best_blocks = memo, max(common, 1)
         reused = best.hashes[:best_blocks] if best is not None else [first]
@@ -163,11 +163,13 @@ class PrefixHashMemo:
         self._by_first_block.clear()
 
 
-def _common_full_blocks(a: np.ndarray, b: np.ndarray, block_size: int, max_blocks: int) -> int:
-    """How many leading full blocks `a` and `b` share (at most `max_blocks`)."""
+def _common_full_blocks(a: np.ndarray, b: np.ndarray, b_bytes: bytes, block_size: int, max_blocks: int) -> int:
+    """How many leading full blocks `a` and `b` (whose bytes are `b_bytes`) share (at most `max_blocks`)."""
     blocks = min(len(a) // block_size, len(b) // block_size, max_blocks)
     length = blocks * block_size
     if length == 0:
         return 0
+    if b_bytes.startswith(a[:length]):  # the usual case, one memcmp: `a` starts `b`
+        return blocks
     mismatch = np.flatnonzero(a[:length] != b[:length])
     return blocks if mismatch.size == 0 else int(mismatch[0]) // block_size

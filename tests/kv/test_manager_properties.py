@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from agentjax.kv import (BlockRemoved, BlockStored, FullAttentionSpec, KVCacheManager, RecurrentStateSpec,
                          SlidingWindowSpec, block_hashes)
+from agentjax.kv.groups import PrefixGroup
 
 BLOCK = 4
 WINDOW = 8
@@ -79,6 +80,19 @@ class ManagerMachine(RuleBasedStateMachine):
         OPERATIONS["count"] += 1
         self.learn(prompt)
         assert self.m.lookup(list(prompt)) == self.expected_hit(prompt)
+        self.check_runs(prompt)
+
+    def check_runs(self, prompt):
+        """A prefix group's leading run (remembered runs, then index reads) is what the index says now."""
+        for group in self.m.groups:
+            if isinstance(group, PrefixGroup):
+                keys = group.page_keys(block_hashes(list(prompt), BLOCK))
+                fresh = []
+                for key in keys:
+                    if group.index.get(key) is None:
+                        break
+                    fresh.append(group.index[key])
+                assert group.cached_run(keys, len(keys)) == fresh
 
     @rule(prompt=prompts)
     def allocate(self, prompt):
