@@ -19,6 +19,7 @@ from agentjax.errors import InvalidRequestError
 BlockHash = bytes  # 32-byte SHA-256 digest
 HASH_SEED = b"agentjax.kv.block_hash.v1"
 _sha256 = hashlib.sha256
+_EMPTY_SHA256 = _sha256()
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -72,9 +73,11 @@ def chain_hashes(token_bytes: bytes, block_size: int, parent: BlockHash, first_b
     stride = 4 * block_size
     out: list[BlockHash] = []
     append = out.append
-    sha = _sha256
+    fresh = _EMPTY_SHA256.copy  # copying an empty context is cheaper than creating one
     for start in range(first_block * stride, num_blocks * stride, stride):
-        parent = sha(parent + token_bytes[start:start + stride]).digest()
+        sha = fresh()
+        sha.update(parent + token_bytes[start:start + stride])
+        parent = sha.digest()
         append(parent)
     return out
 
