@@ -10,6 +10,7 @@ of BENCHMARKS.md. A benchmark, not a test: CI does not run it.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -82,7 +83,12 @@ def summarise(runs: list[list[dict]], concurrency: list[int]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], args: argparse.Namespace, workload: dict, command: str) -> str:
+def _load_average() -> str:
+    """The 1-minute load average (other work on the machine skews the µs)."""
+    return open("/proc/loadavg").read().split()[0]
+
+
+def markdown(rows: list[dict], args: argparse.Namespace, workload: dict, command: str, conditions: str = "") -> str:
     lines = [
         SECTION, "",
         f"Command: `{command}` (drives `../shared/bench/vllm_baseline/bench.py --mode kv --engine vllm agentjax` "
@@ -98,7 +104,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, workload: dict, command
         "the per-run ratios agentjax / vLLM. The harness's adapter admits with `allocate(prompt)` then "
         "`append(output)`; when the append fails it calls `free`, which rolls the uncommitted admission back "
         "exactly (LRU positions, evicted hashes, stats), so a failed admission leaves no trace, as vLLM's single "
-        "call does.", "",
+        f"call does. {conditions}".rstrip(), "",
         "| C | vLLM µs/turn | agentjax µs/turn | ratio (median, runs) | vLLM hit | agentjax hit | hit diff | "
         "failed allocs vLLM / agentjax | median lookup / allocate / free µs, vLLM | same, agentjax |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                  "minutes, offline) and pass its Python as --vllm-python or VLLM_VENV_PYTHON.")
     if not (args.harness / "bench.py").exists():
         sys.exit(f"harness missing: {args.harness}/bench.py not found")
+    load_at_start = _load_average()
     runs = []
     for repeat in range(args.repeats):
         results = run_harness(args)
@@ -163,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['turn_total_us_mean']:.0f} µs/turn, hit {r['prefix_hit_rate']:.4f}", flush=True)
     rows = summarise(runs, args.concurrency)
     command = "python scripts/bench_kv_manager.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = markdown(rows, args, runs[0][0], command.strip()) + "\n" + layout_table()
+    conditions = (f"Run on {datetime.date.today().isoformat()}; load average {load_at_start} at the start and "
+                  f"{_load_average()} at the end (the machine's 2 cores are shared: compare the ratios, not the µs).")
+    text = markdown(rows, args, runs[0][0], command.strip(), conditions) + "\n" + layout_table()
     print(text)
     if not args.no_write:
         write_section(text, args.benchmarks_md)
