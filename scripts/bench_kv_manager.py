@@ -5,7 +5,7 @@ venv that its setup.sh builds, so both managers replay the identical closed-loop
 process; repeats that process, and writes medians and ratios to the "## KV cache manager" section
 of BENCHMARKS.md. A benchmark, not a test: CI does not run it.
 
-    python scripts/bench_kv_manager.py --num-traces 20 -C 16 64 --num-blocks 20000 --repeats 3
+    python scripts/bench_kv_manager.py --num-traces 20 -C 16 64 --num-blocks 20000 --repeats 5
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Split as in vLLM's connector API. This side is host-only and cheap: `lookup` cou
 per tier from in-memory indexes; `hold` (the scheduler's `prepare_load`) decides at admission that a
 waiting request's longer prefix sits in the tiers, reserves device pages for it and parks the request
 while the worker copies; `on_turn_end` (`prepare_store`) picks a finished turn's pages by the
-retention policy; a paused session's pages come back before its next turn when the KV policy
+retention policy (`store_plan.StorePlanner`); a paused session's pages come back before its next turn when the KV policy
 says it is due (`prefetch.SessionPrefetcher`). All hand `KVTransfers` to the worker side (`agentjax.runner.offload_worker`) in
 the scheduler's output; the worker reports back through `results`. A loaded page becomes an ordinary
 cached page of the pool, so the admission that follows is the usual prefix hit: the state checkpoints
@@ -13,7 +13,6 @@ of a recurrent group are restored by the manager's pending copies as for any hit
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from collections import OrderedDict
@@ -21,12 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agentjax.kv.block_pool import NULL_PAGE
-from agentjax.kv.groups import CheckpointGroup, PrefixGroup
+from agentjax.kv.groups import CheckpointGroup
 from agentjax.kv.offload.disk import DiskTier, TierKey
 from agentjax.kv.offload.host import HostPageIndex
-from agentjax.kv.offload.policies import make_retention
 from agentjax.kv.offload.prefetch import SessionPrefetcher
+from agentjax.kv.offload.store_plan import StorePlanner
 from agentjax.kv.offload.tiers import TIER_NAMES, OffloadStats, TierHealth
 from agentjax.kv.offload.transfers import KVTransfers, LoadJob, PageTransfer, ResultQueue, StoreJob
 from agentjax.kv.offload.union import IN_TIER, TIER_OF, forget_runs, union_groups
@@ -64,13 +62,9 @@ class OffloadConnector:
         self.results = ResultQueue()
         self.min_load_tokens = min_load_tokens or kv.block_size
         self.probe_wait_s = probe_wait_s
-        # (group, block index, blocks in the turn) -> the entry's eviction score (`TierEntryScore`), for
-        # tiers built with `scored=True`; None: they evict LRU.
-        self.entry_score = entry_score
-        self._retention = [make_retention(retention, checkpoint=isinstance(g, CheckpointGroup)) for g in kv.groups]
         self._union = union_groups(kv, self._tier_of, host)
-        self._holder_test_cache: dict[tuple, object] = {}  # (group, disk storable, remote storable) -> test
         self._known_remote: OrderedDict[TierKey, None] = OrderedDict()  # keys the Mooncake pool holds
+        self.stores = StorePlanner(kv, host, disk, mooncake, self.health, self._known_remote, entry_score, retention)
         self._held: dict[str, _Held] = {}
         self._jobs: dict[int, str] = {}  # load job id -> request id
         self._job_transfers: dict[int, list[PageTransfer]] = {}
@@ -348,115 +342,14 @@ class OffloadConnector:
     # -- stores ----------------------------------------------------------------------------------
     def on_turn_end(self, request) -> None:
         """`prepare_store`: the finished turn's cached pages that the retention policy keeps, for every
-        tier that lacks them. Call before the request's pages are freed."""
+        tier that lacks them (`StorePlanner`). Call before the request's pages are freed."""
         if self.prefetcher is not None:
             self.prefetcher.on_turn_end(request)
-        kv, pool = self.kv, self.kv.pool
-        state = kv._requests.get(request.request_id)
+        state = self.kv._requests.get(request.request_id)
         if state is None or not state.hashes:
             return
         branch = bool(getattr(request.hints, "branch_point", False))
-        being_written = {dst for _, _, dst in kv._pending_copies}  # a checkpoint not yet copied
-        for group, retention, table in zip(kv.groups, self._retention, state.tables):
-            group_id, index = group.group_id, pool.cached[group.group_id]
-            keys = group.page_keys(state.hashes)
-            stored = self._stored_prefix(group_id, keys)  # earlier turns stored these already
-            unstored = keys[stored:]
-            # A prefix group's table holds page j's tokens at j: the request's own pages need no index
-            # reads (a page another request cached first holds the same tokens). Other kinds (released
-            # window pages, checkpoint copies) are found in the index.
-            pages = table.pages[stored:len(keys)] if isinstance(group, PrefixGroup) else None
-            if pages is None or len(pages) < len(unstored) or NULL_PAGE in pages:
-                pages = list(map(index.get, unstored))  # dict reads in C
-            if None in pages or being_written:  # the usual case has every page cached and none being copied
-                present = [i for i, page in enumerate(pages) if page is not None and page not in being_written]
-                unstored, pages = [unstored[i] for i in present], [pages[i] for i in present]
-                positions = [stored + i for i in present]
-            else:
-                positions = range(stored, len(keys))
-            if not pages:
-                continue
-            chosen = retention.select(unstored, branch_point=branch)
-            if self.host is not None and len(chosen) > self.host.num_slots - 1:
-                chosen = chosen[: self.host.num_slots - 1]
-            if len(chosen) < len(pages):
-                picked = chosen.tolist()
-                unstored, pages = [unstored[i] for i in picked], [pages[i] for i in picked]
-                positions = [positions[i] for i in picked]
-            job = StoreJob(next(self._ids), group_id, [], [], [])
-            self._add_store_rows(job, unstored, pages, positions, len(keys))
-            if job.keys:
-                self._transfers.stores.append(job)
-
-    def _stored_prefix(self, group: int, keys: list) -> int:
-        """How many leading pages every tier already holds (a binary search: a turn extends an earlier
-        turn's prefix, and chained keys name whole prefixes)."""
-        everywhere = self._holder_test(group)
-        low, high = 0, len(keys)
-        while low < high:
-            middle = (low + high + 1) // 2
-            if everywhere(keys[middle - 1]):
-                low = middle
-            else:
-                high = middle - 1
-        return low
-
-    def _holder_test(self, group: int):
-        """A test of whether every tier that takes stores now holds a block of `group`. Built once per group
-        and set of storable tiers (a tier's health can change between turns); with the host tier alone it is
-        the host slot dict's own `__contains__`, so the usual probe runs in C."""
-        disk_ok = self.disk is not None and self.health["disk"].storable()
-        remote_ok = self.mooncake is not None and self.health["mooncake"].storable()
-        cache_key = (group, disk_ok, remote_ok)
-        test = self._holder_test_cache.get(cache_key)
-        if test is None:
-            tests = []
-            if self.host is not None:
-                tests.append(self.host.group_slots(group).__contains__)
-            if disk_ok:
-                tests.append(lambda block_hash: self.disk.contains((group, block_hash)))
-            if remote_ok:
-                tests.append(lambda block_hash: (group, block_hash) in self._known_remote)
-            test = tests[0] if len(tests) == 1 else lambda block_hash: all(holds(block_hash) for holds in tests)
-            self._holder_test_cache[cache_key] = test
-        return test
-
-    def _add_store_rows(self, job: StoreJob, hashes: list, pages: list, positions, num_blocks: int) -> None:
-        """A store job's rows: the pages (block hash, device page, block index in a turn of `num_blocks`
-        blocks) for the tiers that lack them and take stores now, with their eviction scores when the
-        disk tier weighs one. With the host tier alone the job takes `hashes` and `pages` as they are."""
-        group = job.group
-        disk = self.disk if self.disk is not None and self.health["disk"].storable() else None
-        remote = self._known_remote if self.mooncake is not None and self.health["mooncake"].storable() else None
-        if disk is None and remote is None:  # host only: the rows that got a slot
-            if self.host is None:  # the other tiers take no stores now
-                return
-            # the host index computes the scores only when it has to evict (the job needs none)
-            scores = (functools.partial(self.entry_score.scores, group, positions, num_blocks)
-                      if self.entry_score is not None else None)
-            slots = self.host.assign_many(group, hashes, scores)
-            if 0 in slots:
-                kept = [i for i, slot in enumerate(slots) if slot]
-                hashes, pages, slots = [hashes[i] for i in kept], [pages[i] for i in kept], [slots[i] for i in kept]
-            job.keys, job.pages, job.host_slots = hashes, pages, slots
-            return
-        scores = self.entry_score.scores(group, positions, num_blocks) if self.entry_score is not None else None
-        slots = self.host.assign_many(group, hashes, scores) if self.host is not None else [0] * len(hashes)
-        for i, block_hash in enumerate(hashes):
-            key = (group, block_hash)
-            to_disk = disk is not None and not disk.contains(key)
-            to_remote = remote is not None and key not in remote
-            if not (slots[i] or to_disk or to_remote):
-                continue
-            if to_disk:
-                job.disk_rows.append(len(job.keys))
-            if to_remote:
-                job.mooncake_rows.append(len(job.keys))
-            job.keys.append(block_hash)
-            job.pages.append(pages[i])
-            job.host_slots.append(slots[i])
-            if scores is not None:
-                job.scores.append(scores[i])
+        self._transfers.stores += self.stores.jobs(state, branch, self._ids)
 
     def take_transfers(self) -> KVTransfers | None:
         """This step's stores, loads and probes for the worker (None when there are none)."""
