@@ -154,7 +154,11 @@ def test_batch_invariant_outputs_are_bitwise_equal_alone_in_a_batch_and_in_any_c
     alone = PagedLayer(cfg, 8)
     alone.add_sequence("a", inputs)
     whole = alone.run_chunks("a", [45], "batch_invariant")
-    tokenwise = PagedLayer(cfg, 16)
+    # Same page size, other pages: the exactness contract holds within one engine configuration. Across
+    # page sizes the compressed entries are gathered in other shapes; on an AVX2 CPU (no AVX-512) the HCA
+    # outputs of pages of 16 then differ from those of pages of 8 in the last bit from the first entry on
+    # (the float64 test above covers both page sizes to a tolerance).
+    tokenwise = PagedLayer(cfg, 8, page_seed=3)
     tokenwise.add_sequence("a", inputs)
     decoded = tokenwise.run_chunks("a", [3] + [1] * 42, "batch_invariant")
     crowded = PagedLayer(cfg, 8, page_seed=7)
