@@ -83,11 +83,6 @@ def summarise(runs: list[list[dict]], concurrency: list[int]) -> list[dict]:
     return rows
 
 
-def _load_average() -> str:
-    """The 1-minute load average (other work on the machine skews the µs)."""
-    return open("/proc/loadavg").read().split()[0]
-
-
 def markdown(rows: list[dict], args: argparse.Namespace, workload: dict, command: str, conditions: str = "") -> str:
     lines = [
         SECTION, "",
@@ -160,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                  "minutes, offline) and pass its Python as --vllm-python or VLLM_VENV_PYTHON.")
     if not (args.harness / "bench.py").exists():
         sys.exit(f"harness missing: {args.harness}/bench.py not found")
-    load_at_start = _load_average()
+    load_at_start = os.getloadavg()[0]
     runs = []
     for repeat in range(args.repeats):
         results = run_harness(args)
@@ -170,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['turn_total_us_mean']:.0f} µs/turn, hit {r['prefix_hit_rate']:.4f}", flush=True)
     rows = summarise(runs, args.concurrency)
     command = "python scripts/bench_kv_manager.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    conditions = (f"Run on {datetime.date.today().isoformat()}; load average {load_at_start} at the start and "
-                  f"{_load_average()} at the end (the machine's 2 cores are shared: compare the ratios, not the µs).")
+    conditions = (f"Run on {datetime.date.today().isoformat()}; load average {load_at_start:.2f} at the start and "
+                  f"{os.getloadavg()[0]:.2f} at the end (the machine's 2 cores are shared: compare the ratios, not the µs).")
     text = markdown(rows, args, runs[0][0], command.strip(), conditions) + "\n" + layout_table()
     print(text)
     if not args.no_write:

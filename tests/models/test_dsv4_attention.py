@@ -172,6 +172,12 @@ def test_batch_invariant_outputs_are_bitwise_equal_alone_in_a_batch_and_in_any_c
         got.update(crowded.step(rows, "batch_invariant")["a"])
     np.testing.assert_array_equal(decoded, whole)
     np.testing.assert_array_equal(np.stack([got[p] for p in range(45)]), whole)
+    # Pages of 16 (two compressed entries per page): decoding token by token equals its own whole run.
+    whole16, tokenwise16 = PagedLayer(cfg, 16), PagedLayer(cfg, 16, page_seed=3)
+    whole16.add_sequence("a", inputs)
+    tokenwise16.add_sequence("a", inputs)
+    np.testing.assert_array_equal(tokenwise16.run_chunks("a", [3] + [1] * 42, "batch_invariant"),
+                                  whole16.run_chunks("a", [45], "batch_invariant"))
 
 
 @pytest.mark.slow  # jit compiles per step shape: 5-60 s on a shared CPU
