@@ -10,6 +10,10 @@ import time
 
 import pytest
 
+from tests.suite_probes import memory_map_count, resident_bytes
+
+pytest_plugins = ["tests.suite_report"]  # per-test and per-file costs, printed after every run
+
 
 @pytest.fixture(scope="session")
 def smollm2_invariant():
@@ -26,24 +30,6 @@ def smollm2_fast():
     return LLM()
 
 
-def memory_map_count() -> int:
-    """Memory mappings of this process (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            return sum(1 for _ in maps)
-    except OSError:
-        return 0
-
-
-def resident_bytes() -> int:
-    """Resident set size of this process (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _trim_malloc() -> None:
     """Hand glibc's freed heap back to the system, so a release shows in the resident size."""
     try:
@@ -56,7 +42,6 @@ def _trim_malloc() -> None:
 MAP_COUNT_TO_RELEASE = 16_000
 # Under pytest-xdist, past this resident size too: two such processes share the machine's memory.
 RESIDENT_BYTES_TO_RELEASE = 4 << 30 if os.environ.get("PYTEST_XDIST_WORKER") else float("inf")
-_peaks = {"map_count": 0, "resident_bytes": 0}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,8 +57,6 @@ def release_compiled_executables(request):
     (or recompiles). $AGENTJAX_TEST_MEMORY_LOG names a file that gets one line per module."""
     yield
     count, resident = memory_map_count(), resident_bytes()
-    _peaks["map_count"] = max(_peaks["map_count"], count)
-    _peaks["resident_bytes"] = max(_peaks["resident_bytes"], resident)
     jax = sys.modules.get("jax")  # host-only test modules never import jax
     released = jax is not None and (count > MAP_COUNT_TO_RELEASE or resident > RESIDENT_BYTES_TO_RELEASE)
     if released:
@@ -86,20 +69,6 @@ def release_compiled_executables(request):
         with open(log, "a") as out:
             out.write(f"{time.strftime('%H:%M:%S')} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} "
                       f"{request.module.__name__}: {count} maps {resident >> 20} MiB{after}\n")
-
-
-def pytest_sessionfinish(session):
-    workeroutput = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker
-    if workeroutput is not None:
-        workeroutput.update(_peaks)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """pytest-xdist controller: keep the largest peaks any worker reported."""
-    for key, value in getattr(node, "workeroutput", {}).items():
-        if key in _peaks:
-            _peaks[key] = max(_peaks[key], value)
 
 
 # Under pytest-xdist's `--dist loadfile` (scripts/bootstrap.sh test): files that share one worker, so
@@ -143,10 +112,3 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # keep START_FIRST's order, not the largest files first
     return GroupedFileScheduling(config, log)
-
-
-def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(
-        f"peak at the end of a test module: {_peaks['map_count']} memory mappings "
-        f"(Linux aborts past vm.max_map_count, 65,530 by default), "
-        f"{_peaks['resident_bytes'] / (1 << 30):.1f} GiB resident (largest process)")
