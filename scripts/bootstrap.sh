@@ -4,6 +4,7 @@
 #   bash scripts/bootstrap.sh generate [flags...]               # set up, then one offline generation
 #   bash scripts/bootstrap.sh test [pytest args...]             # set up, then every test (slow ones too)
 #                                                               # in 2 processes (AGENTJAX_TEST_WORKERS)
+#   bash scripts/bootstrap.sh quick [pytest args...]            # the same without the slow tests
 # Set-up is idempotent: a second run only checks what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +55,10 @@ fi
 cmd=${1:-test}
 shift || true
 case "$cmd" in
-    test)
+    test | quick)
+        if [ "$cmd" = quick ]; then
+            set -- -m "not slow" "$@"
+        fi
         export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
         # AGENTJAX_TEST_WORKERS pytest-xdist processes (default 2; 1 runs in this process), each
         # taking whole files so module fixtures stay in one process. A worker that dies fails the
@@ -69,7 +73,7 @@ case "$cmd" in
         exec "$VENV/bin/agentjax" "$cmd" "$@"
         ;;
     *)
-        echo "usage: bash scripts/bootstrap.sh {serve|generate|test} [args...]" >&2
+        echo "usage: bash scripts/bootstrap.sh {serve|generate|test|quick} [args...]" >&2
         exit 2
         ;;
 esac
