@@ -28,7 +28,8 @@ SHOWN = 20
 def pytest_addoption(parser):
     group = parser.getgroup("suite report")
     group.addoption("--suite-report", metavar="PATH", default=os.environ.get("AGENTJAX_SUITE_REPORT"),
-                    help="write the per-test and per-file figures as JSON to PATH ($AGENTJAX_SUITE_REPORT)")
+                    help="write the per-test and per-file figures as JSON to PATH ($AGENTJAX_SUITE_REPORT); "
+                         "PATH.jsonl gets each test's figures as it ends")
     group.addoption("--suite-max-rss-gb", type=float, default=8.0,
                     help="fail the run when a test process's peak resident size passes this (GB, default 8)")
     group.addoption("--suite-max-maps", type=int, default=30_000,
@@ -56,6 +57,10 @@ class SuiteReport:
         self._start: tuple | None = None
         self.started_at = time.time()
         self.load_at_start = os.getloadavg()
+        path = config.getoption("suite_report")
+        self.live_path = f"{path}.jsonl" if path and not self.in_worker else None
+        if self.live_path:
+            Path(self.live_path).unlink(missing_ok=True)
 
     # -- measuring, in the process that runs the tests --
 
@@ -119,7 +124,11 @@ class SuiteReport:
             return
         for name, value in report.user_properties:
             if name == PROPERTY:
-                self.records.append({"nodeid": report.nodeid, **value})
+                record = {"nodeid": report.nodeid, **value}
+                self.records.append(record)
+                if self.live_path:
+                    with open(self.live_path, "a") as live:
+                        live.write(json.dumps(record) + "\n")
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error):
