@@ -3,7 +3,7 @@ time and load, CPU seconds, XLA executables built, each test process's peak memo
 the costliest files. Either runs the suite itself or reads a report a run already wrote.
 
     python scripts/suite_report_md.py                      # runs `bash scripts/bootstrap.sh test`, then writes
-    python scripts/suite_report_md.py --report run.json    # a report from `... test --suite-report run.json`
+    python scripts/suite_report_md.py --report run.json    # a report from `... test --suite-report=run.json`
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ SHOWN = 20
 
 def run_suite(command: list[str], report: Path) -> float:
     started = time.perf_counter()
-    subprocess.run([*command, "--suite-report", str(report)], cwd=REPO, check=False)
+    subprocess.run([*command, f"--suite-report={report}"], cwd=REPO, check=False)
     return time.perf_counter() - started
 
 
@@ -53,7 +53,7 @@ def section(report: dict, command: str, command_wall_s: float | None) -> str:
     lines = [
         SECTION, "",
         f"Command: `{command}`; written by `python scripts/suite_report_md.py` from the suite report "
-        f"(tests/suite_report.py, `--suite-report PATH`). {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"(tests/suite_report.py, `--suite-report=PATH`). {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
         f"{platform.machine()}, {totals['cpus']} CPU cores, {memory_gb():.0f} GiB; load average {load0:.1f} at the "
         f"start and {load1:.1f} at the end (wall times grow with the load; CPU seconds and compile counts do not).",
         "",

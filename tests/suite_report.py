@@ -27,6 +27,8 @@ SHOWN = 20
 
 def pytest_addoption(parser):
     group = parser.getgroup("suite report")
+    # Give it as --suite-report=PATH: pytest reads a separate PATH that exists as a test path before
+    # this plugin (registered by tests/conftest.py) is loaded.
     group.addoption("--suite-report", metavar="PATH", default=os.environ.get("AGENTJAX_SUITE_REPORT"),
                     help="write the per-test and per-file figures as JSON to PATH ($AGENTJAX_SUITE_REPORT); "
                          "PATH.jsonl gets each test's figures as it ends")
