@@ -1,5 +1,6 @@
-"""Shared fixtures: the embedded model loaded once per test session in each numerics mode, and the
-release of compiled executables (and the memory they hold) after each test module."""
+"""Shared fixtures: the embedded model loaded once per test session in each numerics mode, the
+persistent compilation cache on from the start, and the release of compiled executables (and the
+memory they hold) after each test module."""
 from __future__ import annotations
 
 import ctypes
@@ -11,6 +12,23 @@ import time
 import pytest
 
 from tests.suite_probes import memory_map_count, resident_bytes
+
+
+def _cache_every_executable() -> None:
+    """Every test process reads and writes agentjax's persistent XLA cache from its first test on (not
+    only once it builds a model runner), for executables of any compile time: an executable built once
+    (by either worker, a server, or before a release of executables below) loads in milliseconds
+    after, and a second run on the same machine loads nearly everything ($AGENTJAX_XLA_CACHE=off
+    turns it off, as for agentjax itself)."""
+    from agentjax.runner.compilation_cache import enable_compilation_cache
+
+    if enable_compilation_cache() is not None:
+        import jax
+
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+_cache_every_executable()
 
 pytest_plugins = ["tests.suite_report"]  # per-test and per-file costs, printed after every run
 
