@@ -1,9 +1,11 @@
 """Writes the "## Test suite" section of BENCHMARKS.md from the suite report (tests/suite_report.py): run
 time and load, CPU seconds, XLA executables built, each test process's peak memory and mappings, and
-the costliest files. Either runs the suite itself or reads a report a run already wrote.
+the costliest files. Either runs the suite itself or reads a report a run already wrote; each command
+(`test`, `quick`) gets its own section.
 
     python scripts/suite_report_md.py                      # runs `bash scripts/bootstrap.sh test`, then writes
     python scripts/suite_report_md.py --report run.json    # a report from `... test --suite-report=run.json`
+    python scripts/suite_report_md.py --command "bash scripts/bootstrap.sh quick"
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks_md import write_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SECTION = "## Test suite (`bash scripts/bootstrap.sh test`)"
 GB = 10**9
 SHOWN = 20
 
@@ -51,7 +52,7 @@ def section(report: dict, command: str, command_wall_s: float | None) -> str:
     load0, load1 = totals["load_at_start"][0], totals["load_at_end"][0]
     wall = f"{command_wall_s / 60:.1f} minutes for the command, set-up included; " if command_wall_s else ""
     lines = [
-        SECTION, "",
+        f"## Test suite (`{command}`)", "",
         f"Command: `{command}`; written by `python scripts/suite_report_md.py` from the suite report "
         f"(tests/suite_report.py, `--suite-report=PATH`). {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
         f"{platform.machine()}, {totals['cpus']} CPU cores, {memory_gb():.0f} GiB; load average {load0:.1f} at the "
