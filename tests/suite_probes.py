@@ -106,6 +106,14 @@ class CompileCounter:
         monitoring.register_event_listener(self._on_event)
         self._attached = True
 
+    def detach(self) -> None:
+        if self._attached:
+            from jax import monitoring
+
+            monitoring.unregister_event_duration_listener(self._on_duration)
+            monitoring.unregister_event_listener(self._on_event)
+            self._attached = False
+
     def _on_duration(self, event: str, seconds: float, **_: object) -> None:
         with self._lock:
             if event == BACKEND_COMPILE_EVENT:

@@ -167,9 +167,9 @@ class SuiteReport:
         for record in self.records:
             where = f"{record['nodeid']} ({record['worker']})"
             if record["peak_rss"] > max_rss:
-                breaches.append(f"{where}: {record['peak_rss'] / GB:.1f} GB resident > {max_rss / GB:g} GB")
+                breaches.append(f"{where}: {record['peak_rss'] / GB:.2f} GB resident > {max_rss / GB:g} GB")
             if record["child_peak_rss"] > max_rss:
-                breaches.append(f"{where}: a process it started reached {record['child_peak_rss'] / GB:.1f} GB "
+                breaches.append(f"{where}: a process it started reached {record['child_peak_rss'] / GB:.2f} GB "
                                 f"resident > {max_rss / GB:g} GB")
             if max(record["peak_maps"], record["child_peak_maps"]) > max_maps:
                 breaches.append(f"{where}: {max(record['peak_maps'], record['child_peak_maps'])} memory "
