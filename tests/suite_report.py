@@ -21,6 +21,7 @@ from tests.suite_probes import (
 )
 
 PROPERTY = "suite_report"
+SESSION_TEARDOWN = "suite_report_session_teardown"
 GB = 10**9
 SHOWN = 20
 
@@ -57,6 +58,7 @@ class SuiteReport:
         self.processes: dict[str, dict] = {}  # worker -> its whole-run figures
         self.process_peak = Sample()
         self._start: tuple | None = None
+        self._before_last_teardown: tuple | None = None
         self.started_at = time.time()
         self.load_at_start = os.getloadavg()
         path = config.getoption("suite_report")
@@ -74,26 +76,45 @@ class SuiteReport:
         self.counter.attach_if_jax_loaded()
         reset_peak_resident()
         self.watcher.take()
-        self._start = (time.perf_counter(), *cpu_seconds(), self.counter.totals(),
-                       resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+        self._start, self._before_last_teardown = self._snapshot(), None
         yield
         self._start = None
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        """The last test of a process also tears down the session's fixtures (the README server,
+        shared models): that cost goes to a record of its own, not to the test."""
+        if nextitem is None and self._start is not None:
+            self._before_last_teardown = self._measure(self._start), self._snapshot()
+        yield
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
         outcome = yield
         report = outcome.get_result()
-        if call.when == "teardown" and self._start is not None:
-            report.user_properties.append((PROPERTY, self._measure().as_dict() | {"worker": self.worker}))
+        if call.when != "teardown" or self._start is None:
+            return
+        if self._before_last_teardown is None:
+            record = self._measure(self._start)
+        else:
+            record, teardown_start = self._before_last_teardown
+            teardown = self._measure(teardown_start).as_dict() | {"worker": self.worker}
+            report.user_properties.append((SESSION_TEARDOWN, teardown))
+        report.user_properties.append((PROPERTY, record.as_dict() | {"worker": self.worker}))
 
-    def _measure(self) -> Sample:
+    def _snapshot(self) -> tuple:
+        return (time.perf_counter(), *cpu_seconds(), self.counter.totals(),
+                resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+
+    def _measure(self, start: tuple) -> Sample:
+        """The costs since `start` (a `_snapshot()`)."""
         self.counter.attach_if_jax_loaded()  # a test module that imported jax only now
-        wall0, cpu0, child0, compiles0, child_maxrss0 = self._start
+        wall0, cpu0, child0, compiles0, child_maxrss0 = start
         cpu, child = cpu_seconds()
         compiles = [now - before for now, before in zip(self.counter.totals(), compiles0)]
         maps, child_rss, child_maps = self.watcher.take()
         child_maxrss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        if child_maxrss > child_maxrss0:  # a child reaped during this test reached this peak
+        if child_maxrss > child_maxrss0:  # a child reaped since `start` reached this peak
             child_rss = max(child_rss, child_maxrss << 10)
         sample = Sample(time.perf_counter() - wall0, cpu - cpu0, child - child0, *compiles,
                         peak_resident_bytes(), maps, child_rss, child_maps)
@@ -125,8 +146,9 @@ class SuiteReport:
         if self.in_worker or report.when != "teardown":
             return
         for name, value in report.user_properties:
-            if name == PROPERTY:
-                record = {"nodeid": report.nodeid, **value}
+            if name in (PROPERTY, SESSION_TEARDOWN):
+                nodeid = report.nodeid if name == PROPERTY else f"(session teardown)::{value['worker']}"
+                record = {"nodeid": nodeid, **value}
                 self.records.append(record)
                 if self.live_path:
                     with open(self.live_path, "a") as live:
@@ -180,7 +202,8 @@ class SuiteReport:
         total = Sample()
         for record in self.records:
             total.add(Sample.from_dict(record))
-        return total.as_dict() | {"tests": len(self.records), "run_wall_s": self.finished_at - self.started_at,
+        tests = sum(1 for record in self.records if not record["nodeid"].startswith("(session teardown)"))
+        return total.as_dict() | {"tests": tests, "run_wall_s": self.finished_at - self.started_at,
                                   "load_at_start": self.load_at_start, "load_at_end": self.load_at_end,
                                   "cpus": os.cpu_count()}
 
@@ -211,7 +234,7 @@ class SuiteReport:
         write(f"{header} {'tests':>5}  file")
         for path, sample in sorted(files.items(), key=lambda item: -item[1]["wall_s"])[:SHOWN]:
             write(f"{row(sample)} {sample['tests']:5d}  {path}")
-        write(f"slowest {SHOWN} tests (of {len(self.records)}):")
+        write(f"slowest {SHOWN} tests and session teardowns (of {len(self.records)}):")
         write(f"{header}  test")
         for record in sorted(self.records, key=lambda record: -record["wall_s"])[:SHOWN]:
             write(f"{row(record)}  {record['nodeid']}")
