@@ -18,6 +18,7 @@ from agentjax.errors import ModelLoadError
 from agentjax.models.decoder import Decoder
 from agentjax.models.params import arrays_from_params, params_from_arrays, random_params
 from agentjax.models.presets import PRESETS, preset_config
+from agentjax.progress import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +46,19 @@ def _load_gguf_cached(path: Path, use_cache: bool, keep_blocks: bool = False) ->
     matrices stay BlockWeights (agentjax.models.block_weights); such an entry is cached apart."""
     from agentjax.models.block_weights import flatten_blocks, unflatten_blocks
     from checkpoints.embedded import cache_dir
-    from checkpoints.gguf import load_gguf
+    from checkpoints.gguf import host_bytes, load_gguf
     from checkpoints.orbax_io import cache_key, restore_params, save_params
 
     entry = cache_dir() / "converted" / f"{path.stem}-{cache_key(path)}{'-blocks' if keep_blocks else ''}"
     if use_cache and entry.exists():
         try:
-            started = time.perf_counter()
-            cfg, flat = restore_params(entry)
-            arrays = unflatten_blocks(flat)
-            _checked(cfg, arrays, f"converted-weights cache entry {entry}")
-            logger.info("restored %s from %s in %.1fs", path.name, entry, time.perf_counter() - started)
+            with Heartbeat(logger, f"restoring {path.name}'s converted weights from {entry}",
+                           doing=f"restoring {path.name}") as beat:
+                cfg, flat = restore_params(entry)
+                arrays = unflatten_blocks(flat)
+                _checked(cfg, arrays, f"converted-weights cache entry {entry}")
+            logger.info("restored %s: %d tensors, %.0f MB in %.1f s", path.name, len(arrays),
+                        sum(map(host_bytes, arrays.values())) / 1e6, beat.elapsed)
             return cfg, arrays
         except Exception as exc:  # corrupt, torn, foreign or stale: convert again
             logger.warning(
@@ -63,12 +66,17 @@ def _load_gguf_cached(path: Path, use_cache: bool, keep_blocks: bool = False) ->
                 path, entry, type(exc).__name__, exc,
             )
     started = time.perf_counter()
+    logger.info("converting %s (once: the result is cached for the next start)", path.name)
     cfg, arrays, _ = load_gguf(path, keep_blocks=keep_blocks)
-    logger.info("converted %s in %.1fs", path.name, time.perf_counter() - started)
+    size_mb = sum(map(host_bytes, arrays.values())) / 1e6
+    logger.info("converted %s: %d tensors, %.0f MB in %.1f s", path.name, len(arrays), size_mb,
+                time.perf_counter() - started)
     _checked(cfg, arrays, str(path))
     if use_cache:
         try:
-            save_params(entry, cfg, flatten_blocks(arrays))
+            with Heartbeat(logger, f"caching the converted weights ({size_mb:.0f} MB) in {entry}",
+                           doing="caching the converted weights"):
+                save_params(entry, cfg, flatten_blocks(arrays))
         except OSError as exc:
             logger.warning("could not cache converted model at %s: %s", entry, exc)
     return cfg, arrays
@@ -111,7 +119,9 @@ def load_model(
         from agentjax.models.params import expected_shapes
         from checkpoints.hf import load_hf
 
-        cfg, arrays, tokenizer = load_hf(path, expected_shapes)  # every check runs here, on the host
+        with Heartbeat(logger, f"reading and converting the HF checkpoint {path}", doing=f"reading {path}") as beat:
+            cfg, arrays, tokenizer = load_hf(path, expected_shapes)  # every check runs here, on the host
+        logger.info("read %s: %d tensors in %.1f s", path, len(arrays), beat.elapsed)
     elif path.suffix == ".gguf":
         keep_blocks = dtype == "float32" if gguf_blocks is None else gguf_blocks
         cfg, arrays = _load_gguf_cached(path, use_cache, keep_blocks)
@@ -119,4 +129,7 @@ def load_model(
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or an HF directory with config.json")
     cfg = cfg.replace(dtype=dtype)
-    return cfg, params_from_arrays(cfg, arrays), tokenizer
+    with Heartbeat(logger, f"placing {cfg.name}'s weights on the device", doing="placing the weights") as beat:
+        params = params_from_arrays(cfg, arrays)
+    logger.info("weights on the device in %.1f s", beat.elapsed)
+    return cfg, params, tokenizer

@@ -34,6 +34,7 @@ from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryS
 from agentjax.kv.offload.mooncake import MooncakeError, MooncakeTier
 from agentjax.kv.offload.tiers import OffloadStats, TierHealth, TIER_NAMES
 from agentjax.ragged_batch import bucket
+from agentjax.runner.compilation_cache import with_compile_notice
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +79,15 @@ class OffloadWorker:
                 shape = (spec.num_slots, host_slots, *spec.page_shape)
                 self.host_pools.append(jax.device_put(np.zeros(shape, dtype=jax.numpy.dtype(spec.dtype)),
                                                       self.host_sharding))
-        self._gather = jax.jit(lambda buffer, pages: buffer[:, pages], out_shardings=self.host_sharding)
-        self._host_put = jax.jit(lambda pool, values, slots: pool.at[:, slots].set(values),
-                                 donate_argnums=(0,), out_shardings=self.host_sharding)
-        self._host_load = jax.jit(self._load_from_host, donate_argnums=(0,), out_shardings=self.device_sharding)
-        self._scatter = jax.jit(_write_pages, donate_argnums=(0,), out_shardings=self.device_sharding)
+        self._gather = with_compile_notice(jax.jit(lambda buffer, pages: buffer[:, pages],
+                                                   out_shardings=self.host_sharding), "the KV page copy to the host")
+        self._host_put = with_compile_notice(jax.jit(lambda pool, values, slots: pool.at[:, slots].set(values),
+                                                     donate_argnums=(0,), out_shardings=self.host_sharding),
+                                             "the host tier's page store")
+        self._host_load = with_compile_notice(jax.jit(self._load_from_host, donate_argnums=(0,),
+                                                      out_shardings=self.device_sharding), "the host tier's page load")
+        self._scatter = with_compile_notice(jax.jit(_write_pages, donate_argnums=(0,),
+                                                    out_shardings=self.device_sharding), "the KV page write")
         self._fetched: queue.Queue = queue.Queue()
         self._parts: dict[int, int] = {}  # load job id -> parts not yet scattered
         self._failed: dict[int, set] = defaultdict(set)

@@ -124,13 +124,13 @@ class ShardedModelRunner(ModelRunner):
         batches = _common_page_tables(batches)
         greedy_only = all(s[0] == 0.0 for per_rank in sampling for s in per_rank)
         metas = [_sampling_metadata(s, seqs_bucket, self.cfg.vocab_size, greedy_only) for s in sampling]
-        self._note_shape((*batches[0].shape_key(), greedy_only, "ranks"))
         jitted = self.sharded.sampling_step(greedy_only)
         started = time.perf_counter()
-        tokens, self.kv_pages = jitted(self.params, self.kv_pages,
-                                       self._global(_stacked(list(zip(batches, metas))), "data"),
-                                       self._global(self._pcp_tokens([batches[0]] if ranks == 1 else batches), "pcp"))
-        tokens = self._fetch(tokens)
+        with self._compiling((*batches[0].shape_key(), greedy_only, "ranks")):
+            tokens, self.kv_pages = jitted(self.params, self.kv_pages,
+                                           self._global(_stacked(list(zip(batches, metas))), "data"),
+                                           self._global(self._pcp_tokens([batches[0]] if ranks == 1 else batches), "pcp"))
+            tokens = self._fetch(tokens)
         self.last_device_s = time.perf_counter() - started
         return [tokens[r, :len(rank_rows[r])] if rank_rows[r] else None for r in range(ranks)]
 
