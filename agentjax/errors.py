@@ -30,7 +30,12 @@ class PromptTooLongError(InvalidRequestError):
 
 
 class OutOfPagesError(AgentjaxError):
-    """The KV pool has too few free pages for a request."""
+    """The KV pool has too few free pages for a request. `cause`: "prompt" or "max_tokens" when one of
+    them is why a request can never fit, else None."""
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause
 
 
 class ModelConfigError(ModelLoadError):

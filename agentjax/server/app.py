@@ -151,6 +151,16 @@ class RequestGuardMiddleware:
                 f"(--max-request-body-bytes)")
 
 
+# The body field that carries the prompt, by route (errors about the prompt name it as `param`).
+PROMPT_PARAMS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input",
+                 "/v1/messages": "messages", "/v1/messages/count_tokens": "messages"}
+
+
+def prompt_param(path: str) -> str | None:
+    """`messages` on chat routes, `prompt` on /v1/completions, `input` on /v1/responses; None elsewhere."""
+    return PROMPT_PARAMS.get(path)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -190,7 +200,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(PromptTooLongError)
     async def prompt_too_long(request: Request, exc: PromptTooLongError):
-        return failed(request, 400, str(exc), param="messages", code="context_length_exceeded")
+        return failed(request, 400, str(exc), param=prompt_param(request.url.path), code="context_length_exceeded")
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, exc: InvalidRequestError):
@@ -198,11 +208,12 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(TokenizerError)
     async def tokenizer_error(request: Request, exc: TokenizerError):
-        return failed(request, 400, str(exc), param="messages", code="invalid_prompt")
+        return failed(request, 400, str(exc), param=prompt_param(request.url.path), code="invalid_prompt")
 
     @app.exception_handler(OutOfPagesError)
     async def out_of_pages(request: Request, exc: OutOfPagesError):
-        return failed(request, 400, str(exc), param="max_tokens", code="kv_pool_too_small")
+        param = prompt_param(request.url.path) if exc.cause == "prompt" else "max_tokens"
+        return failed(request, 400, str(exc), param=param, code="kv_pool_too_small")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

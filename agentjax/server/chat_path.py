@@ -79,16 +79,17 @@ class ChatPath:
 
     # ---- token budget -------------------------------------------------------------------------
     def max_tokens_for(self, requested: int | None, prompt_tokens: int, param: str = "max_tokens",
-                       api: Literal["openai", "anthropic"] = "openai") -> int:
+                       api: Literal["openai", "anthropic"] = "openai", prompt_param: str = "messages") -> int:
         """The output budget, as vLLM sets it: what the request asked for, or (when it asked for
         nothing) the server's default budget if it has one, else the context left after the prompt
         (and no more than the KV pool can hold); never more than the context left. Asking
         for more than the context leaves is a 400 that names both numbers; so is asking for more
-        than the operator's cap, when one is set."""
+        than the operator's cap, when one is set. `prompt_param` names the prompt's field in errors
+        about the prompt (`prompt` on /v1/completions, `input` on /v1/responses)."""
         context = self.engine.max_model_len
         left = context - prompt_tokens
         if left < 1:  # the engine rejects it too; this says it in the API's words
-            raise ContextLengthError(_prompt_too_long(prompt_tokens, context, api), param="messages",
+            raise ContextLengthError(_prompt_too_long(prompt_tokens, context, api), param=prompt_param,
                                      code="context_length_exceeded")
         limit = self.max_tokens_limit
         if requested is None:

@@ -206,7 +206,8 @@ class ResponsesServing:
         return JSONResponse(response)
 
     def sampling_of(self, body: ResponsesRequest, prompt_len: int) -> SamplingParams:
-        max_tokens = self.chat_path.max_tokens_for(body.max_output_tokens, prompt_len, "max_output_tokens")
+        max_tokens = self.chat_path.max_tokens_for(body.max_output_tokens, prompt_len, "max_output_tokens",
+                                                   prompt_param="input")
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p,
                               logprobs=(body.top_logprobs or 0) if self._wants_logprobs(body) else None)

@@ -122,8 +122,8 @@ class OpenAIServing:
         return session_id_from(body.session_id, body.agent_hints, request)
 
     def sampling_of(self, body: SamplingFields, requested: int | None, prompt_len: int,
-                    param: str = "max_tokens") -> SamplingParams:
-        max_tokens = self.chat_path.max_tokens_for(requested, prompt_len, param)
+                    param: str = "max_tokens", prompt_param: str = "messages") -> SamplingParams:
+        max_tokens = self.chat_path.max_tokens_for(requested, prompt_len, param, prompt_param=prompt_param)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(s for s in body.stop or () if s)
         return SamplingParams(
             max_tokens=max_tokens,
@@ -290,7 +290,7 @@ class OpenAIServing:
     def _completion_sampling(self, body: CompletionRequest, prompt_len: int, best_of: int | None) -> SamplingParams:
         """The request's settings; best_of needs each sample's log probabilities to rank them, and echo
         with logprobs needs the prompt's."""
-        sampling = self.sampling_of(body, body.max_tokens, prompt_len)
+        sampling = self.sampling_of(body, body.max_tokens, prompt_len, prompt_param="prompt")
         logprobs = body.logprobs if body.logprobs is not None else (0 if best_of is not None else None)
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:

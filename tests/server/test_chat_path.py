@@ -95,3 +95,46 @@ def test_a_server_default_budget_applies_only_to_requests_without_one():
         client.post("/v1/chat/completions", json=chat("hello", max_tokens=50))
         client.post("/v1/chat/completions", json=chat("x" * 236))  # 3 tokens of context left
         assert [s.max_tokens for s in client.engine.samplings] == [7, 50, 3]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/chat/completions", chat("x" * 300), "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 300}, "prompt"),
+    ("/v1/responses", {"model": MODEL, "input": "x" * 300}, "input"),
+])
+def test_a_prompt_over_the_context_names_the_routes_own_prompt_field(path, body, field):
+    with client_for() as client:
+        response = client.post(path, json=body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == field and error["code"] == "context_length_exceeded"
+        assert "messages" not in error["message"] or field == "messages"
+
+
+class TinyPoolEngine(RecordingEngine):
+    """Refuses requests as the real engine does when its KV pool cannot hold them."""
+
+    def add_request(self, prompt, sampling, request_id=None, **kwargs):
+        from agentjax.errors import OutOfPagesError
+
+        if len(prompt) > 50:
+            raise OutOfPagesError("the prompt needs more KV pages than the pool's", cause="prompt")
+        if sampling.max_tokens > 20:
+            raise OutOfPagesError("the prompt plus max_tokens need more KV pages", cause="max_tokens")
+        return super().add_request(prompt, sampling, request_id, **kwargs)
+
+
+@pytest.mark.parametrize(("path", "prompt_body", "prompt_field"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 60}]}, "messages"),
+    ("/v1/completions", {"prompt": "x" * 60}, "prompt"),
+])
+def test_a_request_the_kv_pool_cannot_hold_names_its_cause(path, prompt_body, prompt_field):
+    engine = TinyPoolEngine()
+    with TestClient(create_app(engine, FakeTokenizer(), model_name=MODEL)) as client:
+        too_long = client.post(path, json={"model": MODEL, "max_tokens": 5, **prompt_body})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == prompt_field
+        short = {"messages": [{"role": "user", "content": "hi"}]} if prompt_field == "messages" else {"prompt": "hi"}
+        too_much_output = client.post(path, json={"model": MODEL, "max_tokens": 30, **short})
+        assert too_much_output.status_code == 400
+        assert too_much_output.json()["error"]["param"] == "max_tokens"
+        assert too_much_output.json()["error"]["code"] == "kv_pool_too_small"
