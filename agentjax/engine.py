@@ -393,6 +393,8 @@ class Engine:
             "kv_free_blocks": free,
             "kv_used_blocks": kv.get("used_blocks", total - free),
             "kv_cached_blocks": kv.get("cached_blocks", 0),
+            "kv_cached_blocks_by_group": [(g.group_id, g.group.spec.kind, len(self.kv.pool.cached[g.group_id]))
+                                          for g in self.kv.groups],
             "kv_usage": kv.get("used_blocks", total - free) / total,
             "prefix_query_tokens": kv.get("queries", 0),
             "prefix_hit_tokens": kv.get("hits", 0),

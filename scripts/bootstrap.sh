@@ -36,7 +36,21 @@ case "$cmd" in
     *) echo "$USAGE" >&2; exit 2 ;;
 esac
 
-# Runs "$@" with its output in a log; prints pip's latest activity every 5 s and the log's tail on failure.
+# What pip is doing, from its log: the latest step, and while it installs, how many packages are in.
+pip_activity() {
+    local log=$1 last total installed
+    last=$(grep -E '^ *(Obtaining|Collecting|Downloading|Using cached|Installing|Getting|Preparing|Building|Successfully)' \
+        "$log" | tail -n 1 | sed 's/^ *//')
+    if [[ $last == "Installing collected packages: "* ]]; then
+        total=$(($(tr -cd ',' <<<"$last" | wc -c) + 1))
+        installed=$(find "$VENV"/lib/python3.*/site-packages -maxdepth 1 -name '*.dist-info' -newer "$log" 2>/dev/null | wc -l)
+        echo "installing the packages: $installed of $total in place"
+    else
+        echo "$(grep -cE '^ *(Collecting|Requirement already)' "$log") packages resolved; ${last:0:90}"
+    fi
+}
+
+# Runs "$@" with its output in a log; prints pip's activity every 5 s and the log's tail on failure.
 # Warnings in the log are shown afterwards, so none is hidden.
 run_logged() {
     local log started next pid
@@ -49,8 +63,7 @@ run_logged() {
         sleep 1
         if [ "$SECONDS" -ge "$next" ]; then
             next=$((SECONDS + 5))
-            note "    $((SECONDS - started)) s: $(grep -cE '^(Collecting|Requirement already)' "$log") packages resolved;" \
-                "$(grep -E '^(Collecting|Downloading|Using cached|Building|Installing|Successfully)' "$log" | tail -n 1 | cut -c1-90)"
+            note "    $((SECONDS - started)) s: $(pip_activity "$log")"
         fi
     done
     if ! wait "$pid"; then

@@ -74,7 +74,7 @@ class ModelRunner:
         self.numerics = numerics
         self.drafting = drafting
         self.drafter = make_drafter(cfg, drafting, numerics, page_size) if drafting is not None else None
-        with Heartbeat(logger, f"allocating the KV cache: {num_pages} pages of {page_size} tokens",
+        with Heartbeat(logger, f"allocating the KV cache: {num_pages - 1} pages of {page_size} tokens",
                        doing="allocating the KV cache") as beat:
             self.kv_pages = self._new_kv_pages()
         logger.info("KV cache: %d pages of %d tokens (and the null page), %.2f GiB on the device (%.1f s)",

@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from agentjax.progress import Heartbeat
 from agentjax.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,14 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
-    logger.info("agentjax serve: loading %s (the ready line follows once it accepts requests)",
-                args.model or DEFAULT_MODEL_NAME)
-    import uvicorn
+    with Heartbeat(logger, f"agentjax serve: starting {args.model or DEFAULT_MODEL_NAME} (the ready line follows once "
+                   "it accepts requests); importing jax and the model code", doing="importing"):
+        import uvicorn
 
-    from agentjax.data_parallel import make_engine
-    from agentjax.models import load_model
-    from agentjax.server.app import create_app
-    from agentjax.server.serving import ServerLimits
+        from agentjax.data_parallel import make_engine
+        from agentjax.models import load_model
+        from agentjax.server.app import create_app
+        from agentjax.server.serving import ServerLimits
 
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
