@@ -74,12 +74,12 @@ class ServerProcess:
 
 
 def start_server(log_dir: Path, *flags: str, api_key: str | None = None,
-                 command: list[str] | None = None) -> ServerProcess:
+                 command: list[str] | None = None, env: dict[str, str] | None = None) -> ServerProcess:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     argv = command or [sys.executable, "-m", "agentjax.cli", "--log-level", "INFO", "serve"]
     argv = [*argv, "--port", str(port), *flags]
-    env = dict(os.environ)
+    env = dict(os.environ, **(env or {}))
     if api_key:
         env["AGENTJAX_API_KEY"] = api_key
     with log_path.open("wb") as log:
@@ -111,8 +111,8 @@ def stop_server(server: ServerProcess, timeout: float = 60) -> int:
 
 @contextlib.contextmanager
 def running_server(tmp_path_factory, *flags: str, api_key: str | None = None,
-                   command: list[str] | None = None) -> Iterator[ServerProcess]:
-    server = start_server(tmp_path_factory.mktemp("server"), *flags, api_key=api_key, command=command)
+                   command: list[str] | None = None, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("server"), *flags, api_key=api_key, command=command, env=env)
     try:
         yield server
     finally:
@@ -127,8 +127,26 @@ def readme_main_command() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", setup, re.DOTALL)[0].split()
 
 
+def installed_venv(directory: Path) -> Path:
+    """A virtual environment `scripts/bootstrap.sh` takes as set up (AGENTJAX_VENV): its python is this
+    test process's, its `agentjax` runs this checkout's CLI, and its install stamp is fresh, so the
+    script's set-up steps only check and its command runs here."""
+    bin_dir = directory / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    scripts = {"python": f'exec "{sys.executable}" "$@"',  # a script, not a link: a venv's python finds
+               # its environment from the path it was started by
+               "agentjax": f'PYTHONPATH="{REPO}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" -m agentjax.cli "$@"'}
+    for name, line in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{line}\n")
+        (bin_dir / name).chmod(0o755)
+    (directory / ".agentjax-installed").touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def main_server(tmp_path_factory):
-    """The server the README's main command starts (embedded model, default flags), on a free port."""
-    with running_server(tmp_path_factory, command=readme_main_command()) as server:
+    """The server the README's main command starts (embedded model, default flags), on a free port,
+    through scripts/bootstrap.sh with this process's Python as its environment."""
+    venv = installed_venv(tmp_path_factory.mktemp("venv"))
+    with running_server(tmp_path_factory, command=readme_main_command(), env={"AGENTJAX_VENV": str(venv)}) as server:
         yield server
