@@ -19,7 +19,7 @@ import time
 from agentjax import __version__
 from agentjax.engine_flags import add_engine_flags, engine_args
 from agentjax.errors import AgentjaxError
-from agentjax.progress import set_quiet
+from agentjax.progress import is_quiet, set_quiet
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Libraries whose INFO lines (checkpoint internals, backend probing, one line per HTTP request) would
@@ -79,7 +79,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     llm = LLM(args.model, **_engine_args(args))
-    print(f"[agentjax] loaded {llm.model_config.name} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    note = (lambda text: None) if is_quiet() else (lambda text: print(f"[agentjax] {text}", file=sys.stderr))
+    note(f"loaded {llm.model_config.name} in {time.perf_counter() - started:.1f}s")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     started = time.perf_counter()
     if args.chat:
@@ -88,11 +89,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate([args.prompt], sampling)[0]
     elapsed = time.perf_counter() - started
     print(out.text)
-    print(
-        f"[agentjax] {len(out.token_ids)} tokens in {elapsed:.1f}s (first call includes compilation), "
-        f"finish_reason={out.finish_reason}",
-        file=sys.stderr,
-    )
+    note(f"{len(out.token_ids)} tokens in {elapsed:.1f}s (first call includes compilation), "
+         f"finish_reason={out.finish_reason}")
     return 0
 
 
