@@ -123,7 +123,10 @@ def kv_capacity(engine) -> tuple[int, int, int, int]:
 
     ranks = getattr(engine, "ranks", [engine])
     pages = sum(rank.kv.pool.num_pages - 1 for rank in ranks)  # page 0 is the null page
-    page_tokens = engine.config.parallel.kv_page_tokens(engine.config.block_size)
+    # tokens a page holds in the groups that keep a whole context (full attention, MLA latents): a page of
+    # 128 tokens for MiniMax-M3, block_size x DCP ranks under decode context parallelism
+    page_tokens = next((group.tokens_per_page for group in ranks[0].kv.groups if group.group.spec.hit_rule == "prefix"),
+                       engine.config.parallel.kv_page_tokens(engine.config.block_size))
     return pages * page_tokens, pages, page_tokens, kv_cache_bytes(engine.runner.kv_pages)
 
 
@@ -131,8 +134,9 @@ def ready_line(engine, name: str, model: str, host: str, port: int, seconds: flo
     """The line `serve` logs once it accepts requests."""
     tokens, pages, page_tokens, kv_bytes = kv_capacity(engine)
     shown_host = f"[{host}]" if ":" in host else host
+    memory = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
     return (f"ready on http://{shown_host}:{port}/v1 serving {name!r} ({model}); KV cache: {tokens:,} tokens "
-            f"({pages:,} pages of {page_tokens}) in {kv_bytes / 2**30:.2f} GiB; started in {seconds:.1f} s")
+            f"({pages:,} pages of {page_tokens}) in {memory}; started in {seconds:.1f} s")
 
 
 def graceful_server(config, on_ready=None):
