@@ -134,7 +134,7 @@ def ready_line(engine, name: str, model: str, host: str, port: int, seconds: flo
     """The line `serve` logs once it accepts requests."""
     tokens, pages, page_tokens, kv_bytes = kv_capacity(engine)
     shown_host = f"[{host}]" if ":" in host else host
-    memory = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
+    memory = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**29 else f"{kv_bytes / 2**20:.1f} MiB"
     return (f"ready on http://{shown_host}:{port}/v1 serving {name!r} ({model}); KV cache: {tokens:,} tokens "
             f"({pages:,} pages of {page_tokens}) in {memory}; started in {seconds:.1f} s")
 

@@ -55,3 +55,5 @@ def test_the_ready_line_names_the_url_model_and_kv_capacity_in_tokens_and_memory
     engine.kv.groups = [group("recurrent_state", 64, "checkpoint"), group("mla_latent", 16, "prefix")]
     engine.runner.kv_pages = (np.zeros(3 * 2**20, np.uint8),)
     assert "KV cache: 16,000 tokens (1,000 pages of 16) in 3.0 MiB" in ready_line(engine, "k", "K", "::1", 1, 0)
+    engine.runner.kv_pages = (np.zeros(2**30 - 2**20, np.uint8),)  # 1 GiB's worth of whole pages: a bit less
+    assert "in 1.00 GiB" in ready_line(engine, "k", "K", "::1", 1, 0)
