@@ -277,6 +277,9 @@ class EngineConfig:
     mooncake_master: str | None = None  # HOST:PORT of a Mooncake Store master
     mooncake_segment_gb: float = 1.0  # memory this engine lends to the Mooncake pool
     kv_offload_retention: str = "interval"  # which blocks a turn stores: interval or marconi
+    # How long a request waits for a load from the disk or Mooncake tier before it gives up, recomputes
+    # those tokens and takes the tier out of use for a while (a dead peer costs at most this).
+    kv_load_timeout_s: float = 1.0
     # The KV policy (agentjax.kv.policies.engine_policy) that orders evictions and hears every session
     # turn's end with its agent hints: "hints" (session pins, next use expected farthest first), "lru", "marconi".
     kv_policy: str = "hints"
@@ -320,6 +323,8 @@ class EngineConfig:
         if self.attention_impl not in ("auto", "reference", "kernel"):
             raise InvalidRequestError(
                 f"attention_impl must be 'auto', 'reference' or 'kernel', got {self.attention_impl!r}")
+        if not self.kv_load_timeout_s > 0:
+            raise InvalidRequestError(f"kv_load_timeout_s must be > 0 seconds, got {self.kv_load_timeout_s}")
         if self.kv_offload_retention not in ("interval", "marconi"):
             raise InvalidRequestError(
                 f"kv_offload_retention must be 'interval' or 'marconi', got {self.kv_offload_retention!r}")

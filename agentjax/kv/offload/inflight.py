@@ -1,0 +1,81 @@
+"""The worker side's ledger of the load jobs in flight: which parts (a tier and a KV group) of each job
+are still out, which pages failed and why, and each job's deadline.
+
+A job past its deadline is given up: the pages of its outstanding parts fail with reason "timeout",
+it completes at once, and what a tier thread fetches for it afterwards is dropped, never written
+(its pages may belong to another request by then). So a dead peer costs a waiting request at most
+the deadline. Host only: never imports jax; tier threads only read `given_up`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agentjax.kv.offload.disk import TierKey
+
+Part = tuple[str, int]  # (tier, KV group): one tier thread's share of a load job
+Failure = tuple[str, str]  # (reason for the metrics: missing, checksum, error, degraded, timeout; detail for the log)
+
+
+@dataclass
+class _Job:
+    deadline: float
+    outstanding: dict[Part, list]  # part -> its page transfers, until the part reports
+    failed: dict[TierKey, Failure] = field(default_factory=dict)
+    given_up: bool = False
+
+
+class InFlightLoads:
+    """Load jobs whose remote parts (disk, Mooncake) have not all reported, with their deadlines."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._jobs: dict[int, _Job] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def open(self, job_id: int, parts: dict[Part, list]) -> None:
+        """A job whose `parts` (part -> page transfers) go to tier threads; its deadline starts now."""
+        self._jobs[job_id] = _Job(self.clock() + self.timeout_s, dict(parts))
+
+    def given_up(self, job_id: int) -> bool:
+        job = self._jobs.get(job_id)
+        return job is not None and job.given_up
+
+    def part_done(self, job_id: int, part: Part, failed: dict[TierKey, Failure]) -> dict[TierKey, Failure] | None:
+        """Record a part's outcome. Returns the job's failed pages when this was its last part; None while
+        parts are out, and always for a job given up (it completed at its deadline)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        job.outstanding.pop(part, None)
+        if job.given_up:
+            if not job.outstanding:
+                del self._jobs[job_id]
+            return None
+        job.failed.update(failed)
+        if job.outstanding:
+            return None
+        del self._jobs[job_id]
+        return job.failed
+
+    def expire(self) -> list[tuple[int, dict[TierKey, Failure], dict[str, int]]]:
+        """Give up the jobs past their deadline: `(job id, its failed pages, pages per tier that did not
+        answer)` for each; their outstanding pages fail with reason "timeout"."""
+        now = self.clock()
+        expired = []
+        for job_id, job in self._jobs.items():
+            if job.given_up or now < job.deadline:
+                continue
+            job.given_up = True
+            late: dict[str, int] = {}
+            for (tier, group), transfers in job.outstanding.items():
+                detail = f"the {tier} tier did not answer within {self.timeout_s:g} s"
+                late[tier] = late.get(tier, 0) + len(transfers)
+                for transfer in transfers:
+                    job.failed[(group, transfer.key)] = ("timeout", detail)
+            expired.append((job_id, dict(job.failed), late))
+        return expired
