@@ -6,6 +6,7 @@ tokens equal a plain run's, nothing crashes, and the fault shows in a log line a
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import itertools
@@ -233,12 +234,12 @@ def _run_faulted(engine: Engine, prompt: list[int], behind: list[int], cold, cap
     with caplog.at_level(logging.WARNING):
         tokens, idle = _drive(engine, [prompt, behind], during=during)
     assert tokens == [cold(prompt), cold(behind)]
+    assert idle <= IDLE_LIMIT_S, f"the requests waited {idle:.2f} s for the tiers"
     assert stats.get("load_requests", "all") == loads_before + 1  # one load, never planned again
     assert stats.total("load_failures") > failures_before
     warnings = [r.message for r in caplog.records if r.message.startswith("KV load for request")]
     assert len(warnings) == 1 and "recomputed" in warnings[0], warnings
     _assert_pool_at_baseline(engine)
-    assert idle <= IDLE_LIMIT_S, f"the requests waited {idle:.2f} s for the tiers"
     return idle
 
 
@@ -304,3 +305,60 @@ def test_a_load_from_host_and_disk_keeps_the_host_pages_when_the_disk_files_are_
     assert engine.offload.stats.get("pages_loaded", "host") == host_loaded + 5  # the hit the host gave back
     assert engine.offload.stats.get("load_failures", "disk", reason="missing") == 5
     engine.offload_worker.close()
+
+
+def _mooncake_fault(name: str, engine: Engine, master, peer):
+    """Inject a Mooncake fault; returns the `during` hook for `_drive` (or None) and the reasons it may
+    be counted under."""
+    if name == "peer_killed":  # the process whose memory held the pages dies; the master still lists them
+        peer.kill()
+        return None, ("error",)
+    master.process.send_signal(signal.SIGSTOP)  # the master stops answering: probes and loads hang
+    if name == "master_hung":
+        return None, ("timeout",)
+
+    def kill_during_the_load(step: int) -> None:
+        if master.process.poll() is None and len(engine.offload_worker.loads):
+            master.kill()  # a load is in flight: the master dies under it
+
+    return kill_during_the_load, ("timeout", "degraded", "error")
+
+
+MOONCAKE_FAULTS = ["master_killed_during_load", "master_hung", "peer_killed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", [SMALL_POOL, ROOMY_POOL], ids=["small-pool", "roomy-pool"])
+@pytest.mark.parametrize("fault", MOONCAKE_FAULTS)
+def test_a_failed_mooncake_load_costs_at_most_the_deadline(tiny_dense, cold_tokens, fault, pool, tmp_path, caplog):
+    pytest.importorskip("mooncake.store", reason="the Mooncake wheel (and libibverbs1) is not installed")
+    from agentjax.kv.offload.mooncake import MooncakeMaster, MooncakeStorageServer
+
+    master = MooncakeMaster(log_path=tmp_path / "master.log")
+    peer = MooncakeStorageServer(master.address, 16 << 20, log_path=tmp_path / "peer.log") \
+        if fault == "peer_killed" else None
+    # With a peer, the engine lends no memory: every page lands in the peer's segment.
+    engine = _tiny_engine(tiny_dense, pool, mooncake_master=master.address,
+                          mooncake_segment_gb=0.0 if peer is not None else 0.02)
+    try:
+        prompt, behind = _case_prompts()
+        _store_then_evict(engine, prompt, cold_tokens)
+        during, reasons = _mooncake_fault(fault, engine, master, peer)
+        idle = _run_faulted(engine, prompt, behind, cold_tokens, caplog, during=during)
+        stats = engine.offload.stats
+        assert sum(stats.get("load_failures", "mooncake", reason=reason) for reason in reasons) > 0
+        assert stats.get("pages_loaded", "mooncake") == 0
+        if fault == "master_killed_during_load":
+            assert master.process.poll() is not None  # the hook found the load in flight and killed the master
+        if fault == "master_hung":
+            assert idle >= engine.config.kv_load_timeout_s * 0.9  # it waited for the deadline, no longer
+            assert any("degraded (timeout)" in r.message for r in caplog.records)
+    finally:
+        if master.process.poll() is None:
+            master.kill()
+        restarted = MooncakeMaster(port=master.port)  # the client's close then finds a master (no 10 s timeout)
+        engine.offload_worker.close()
+        restarted.stop()
+        master.stop()
+        if peer is not None:
+            peer.stop()
