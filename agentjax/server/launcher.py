@@ -41,6 +41,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--mooncake-master", default=None,
         help="distributed KV offload tier: HOST:PORT of a Mooncake Store master (default: off)")
     add("--mooncake-segment-gb", type=float, default=1.0, help="memory this server lends to the Mooncake pool")
+    add("--kv-load-timeout-s", type=float, default=1.0,
+        help="how long a request waits for a page load from the disk or Mooncake tier before it recomputes "
+             "those tokens and the tier is taken out of use for 30 s (default 1.0)")
     add("--kv-offload-retention", choices=("interval", "marconi"), default="interval",
         help="which pages a finished turn stores in the tiers: interval (all of them) or marconi "
              "(the prefix a second turn shared, and branch points)")
@@ -73,7 +76,8 @@ def engine_config_from_args(args: argparse.Namespace, base: dict):
                   kv_cache_memory_gb=args.kv_cache_memory_gb, host_cache_gb=args.host_cache_gb,
                   disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb,
                   mooncake_master=args.mooncake_master, mooncake_segment_gb=args.mooncake_segment_gb,
-                  kv_offload_retention=args.kv_offload_retention, kv_policy=args.kv_policy,
+                  kv_offload_retention=args.kv_offload_retention, kv_load_timeout_s=args.kv_load_timeout_s,
+                  kv_policy=args.kv_policy,
                   logprobs_mode=args.logprobs_mode)
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     known = {k: v for k, v in wanted.items() if k in fields}
