@@ -301,3 +301,39 @@ def test_num_held_counts_only_the_requests_out_of_the_waiting_queue(full):
     assert connector.poll() == [follow]
     assert connector.num_held == 0 and not connector.waiting_on_tiers  # back in the queue: counted there only
     connector.on_admitted(follow)
+
+
+def test_a_loaded_request_never_holds_pages_a_request_ahead_of_it_needs():
+    """A request that goes ahead of a loaded one (a higher priority, or a preempted request's earlier
+    arrival) and needs the pool finds the loaded pages free: the load released them when it finished."""
+    from agentjax.config import EngineConfig
+    from agentjax.scheduler.scheduler import Scheduler
+
+    kv = KVCacheManager.from_specs([FULL], 12, block_size=BLOCK, cache_on_allocate=False)  # 11 usable pages
+    connector = OffloadConnector(kv, host=HostPageIndex(1, 32))
+    _run_turn(kv, connector, _request("a", range(100, 120)))  # 5 pages, stored to the host tier
+    connector.take_transfers()
+    _evict_everything(kv)
+    scheduler = Scheduler(EngineConfig(block_size=BLOCK, max_num_batched_tokens=64), kv, offload=connector)
+    loaded = _request("x", list(range(100, 120)) + [1])
+    scheduler.add(loaded)
+    out = scheduler.schedule()
+    assert connector.num_held == 1 and kv.pool.num_free == 6
+    urgent = _request("z", range(500, 532))  # 8 pages: more than are free while the load runs
+    urgent.priority, urgent.arrival_index = -1, 1
+    scheduler.add(urgent)
+    assert scheduler.schedule().scheduled == []
+    [job] = out.kv_transfers.loads
+    connector.results.put(("load", job.job_id, {}))
+    out = scheduler.schedule()  # the load is done and holds nothing: z goes first
+    assert [item.request.request_id for item in out.scheduled] == ["z"]
+    assert connector.stats.get("pages_loaded", "host") == 5
+    scheduler.update_from_output(out, [0])
+    scheduler.finish(urgent)
+    out = scheduler.schedule()  # then x, on what z left of its loaded pages
+    assert [item.request.request_id for item in out.scheduled] == ["x"]
+    scheduler.update_from_output(out, [0])
+    scheduler.finish(loaded)
+    connector.take_transfers()
+    kv.check_invariants()
+    assert np.count_nonzero(kv.pool.ref_counts[1:]) == 0 and not scheduler.has_unfinished()

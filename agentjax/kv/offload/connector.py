@@ -254,11 +254,11 @@ class OffloadConnector:
         return False
 
     def on_admitted(self, request) -> None:
-        """The admission took references on the loaded pages: release the connector's."""
+        """The request left the waiting queue for the running batch: forget its load and probe."""
         self._attempted.pop(request.request_id, None)
         self._deferred.pop(request.request_id, None)
         held = self._held.pop(request.request_id, None)
-        if held is not None and len(held.held_pages):
+        if held is not None and len(held.held_pages):  # a probed request holds none; a loaded one no more
             self.kv.pool.release(held.held_pages)
 
     def drop(self, request) -> None:
@@ -320,10 +320,11 @@ class OffloadConnector:
 
     def _finish_load(self, job_id: int, failed: dict) -> None:
         """A load job completed; `failed` maps the keys of the pages it could not load to (reason, detail).
-        Loaded pages become cached pages. A failure releases every page the load held at once (the
-        recompute needs the room; the loaded prefix stays cached, so the admission still hits it),
-        Mooncake forgets the failed keys (the disk tier deleted its bad files itself), and one warning
-        says what failed. The request goes back to the waiting queue either way."""
+        Loaded pages become cached pages and every page the load held is released at once: the admission
+        still hits the loaded prefix (released pages are evicted last), a failed page's recompute has its
+        room, and a request ahead of this one (a higher priority, a preempted one) never waits on pages
+        this one holds. Mooncake forgets the failed keys (the disk tier deleted its bad files itself), and
+        one warning says what failed. The request goes back to the waiting queue either way."""
         owner = self._jobs.pop(job_id, None)
         transfers = self._job_transfers.pop(job_id, [])
         held = self._held.get(owner)
@@ -350,13 +351,11 @@ class OffloadConnector:
         if prefetched:
             self.prefetcher.on_loaded(owner, pages)
             return
+        pool.release(held.held_pages)
+        held.held_pages = held.held_pages[:0]
         if held.abandoned:
             del self._held[owner]
-            pool.release(held.held_pages)
             return
-        if failed:
-            pool.release(held.held_pages)
-            held.held_pages = held.held_pages[:0]
         held.state = "ready"
         self._hand_back(held)
 
