@@ -277,8 +277,9 @@ class EngineConfig:
     mooncake_master: str | None = None  # HOST:PORT of a Mooncake Store master
     mooncake_segment_gb: float = 1.0  # memory this engine lends to the Mooncake pool
     kv_offload_retention: str = "interval"  # which blocks a turn stores: interval or marconi
-    # How long a request waits for a load from the disk or Mooncake tier before it gives up, recomputes
-    # those tokens and takes the tier out of use for a while (a dead peer costs at most this).
+    # How long a load may wait on the disk or Mooncake tier without an answer (a page read, written or
+    # failed) before it is given up: those tokens are recomputed and the tier is out of use for 30 s (a
+    # dead peer costs a request at most this; a slow tier that keeps answering finishes its loads).
     kv_load_timeout_s: float = 1.0
     # The KV policy (agentjax.kv.policies.engine_policy) that orders evictions and hears every session
     # turn's end with its agent hints: "hints" (session pins, next use expected farthest first), "lru", "marconi".

@@ -7,8 +7,9 @@ the host pool (one `pinned_host` array per group) or hand them to a tier thread 
 loads scatter host-pool pages back at once and fetch disk and Mooncake pages in those threads, to
 be scattered at a later step. Every dispatch is asynchronous: the host never waits on a copy, and
 the device orders each copy before the step that reads or overwrites its pages. A failed fetch
-leaves its page out (the request recomputes it) and reports why; a load still out at its deadline
-(`InFlightLoads`) is given up and its tier degraded; a failing tier is degraded, never fatal.
+leaves its page out (the request recomputes it) and reports why; a load that waits on a tier silent
+for `load_timeout_s` (`InFlightLoads`) is given up and that tier degraded; a failing tier is
+degraded, never fatal.
 """
 from __future__ import annotations
 
@@ -225,6 +226,8 @@ class OffloadWorker:
                 logger.warning("KV offload %s store failed: %s", tier, error)
             else:
                 stored.append(key)
+            finally:
+                self.loads.answered(tier)  # a tier busy writing is alive: the loads behind it wait on
         if stored:
             self.stats.add("pages_stored", tier, len(stored))
             self.results.put(("stored", tier, stored))
@@ -238,6 +241,8 @@ class OffloadWorker:
             except MooncakeError as error:
                 self.health["mooncake"].fail("unreachable", str(error))
                 self.results.put(("remote_down", "mooncake"))
+            finally:
+                self.loads.answered("mooncake")
         self.results.put(("probe", request_id, present))
 
     def _load(self, runner, job: LoadJob) -> None:
@@ -295,6 +300,8 @@ class OffloadWorker:
                 self.results.put(("remote_down", tier))
                 failed[key] = ("error", str(error))
                 continue
+            finally:
+                self.loads.answered(tier)
             values[:, len(rows)] = np.frombuffer(data, dtype=dtype).reshape(spec.num_slots, *spec.page_shape)
             rows.append(len(rows))
             pages.append(transfer.page)
@@ -324,10 +331,11 @@ class OffloadWorker:
             self.results.put(("load", job_id, done))
 
     def _timed_out(self, tier: str, pages: int) -> None:
-        """A load waited past its deadline for `tier`: its thread is stuck (a dead peer, a hung disk).
-        Take the tier out of use so that no other request waits for it; Mooncake forgets what it held."""
+        """A load waited `load_timeout_s` on `tier` without its thread answering: the thread is stuck (a dead
+        peer, a hung disk). Take the tier out of use so that no other request waits on it; Mooncake
+        forgets what it held."""
         self.stats.add("load_failures", tier, pages, reason="timeout")
-        self.health[tier].fail("timeout", f"a load waited more than {self.loads.timeout_s:g} s for it")
+        self.health[tier].fail("timeout", f"a load waited {self.loads.timeout_s:g} s without an answer from it")
         if tier == "mooncake":
             self.results.put(("remote_down", tier))
 

@@ -42,8 +42,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="distributed KV offload tier: HOST:PORT of a Mooncake Store master (default: off)")
     add("--mooncake-segment-gb", type=float, default=1.0, help="memory this server lends to the Mooncake pool")
     add("--kv-load-timeout-s", type=float, default=1.0,
-        help="how long a request waits for a page load from the disk or Mooncake tier before it recomputes "
-             "those tokens and the tier is taken out of use for 30 s (default 1.0)")
+        help="how long a KV load may wait on the disk or Mooncake tier without an answer before it is given "
+             "up: those tokens are recomputed and the tier is out of use for 30 s (default 1.0)")
     add("--kv-offload-retention", choices=("interval", "marconi"), default="interval",
         help="which pages a finished turn stores in the tiers: interval (all of them) or marconi "
              "(the prefix a second turn shared, and branch points)")
