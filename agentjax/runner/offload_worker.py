@@ -305,6 +305,7 @@ class OffloadWorker:
             values[:, len(rows)] = np.frombuffer(data, dtype=dtype).reshape(spec.num_slots, *spec.page_shape)
             rows.append(len(rows))
             pages.append(transfer.page)
+        self.loads.fetched(job_id, (tier, group))  # the padding and the device copy below are no tier's delay
         if pages:  # pad to a compiled size and start the host-to-device copy here, off the step path
             size = bucket(len(pages), TRANSFER_BUCKETS)
             values = values[:, : len(pages)]

@@ -71,3 +71,14 @@ def test_a_tier_that_keeps_answering_keeps_a_long_load_going_and_only_silent_tie
     [(_, failed, late)] = loads.expire()
     assert late == {"mooncake": 1}  # the disk is not blamed
     assert failed[(0, b"a")][0] == "timeout" and "mooncake silent" in failed[(0, b"a")][1]
+
+
+def test_a_part_whose_pages_are_all_read_waits_on_no_tier():
+    clock = Clock()
+    loads = InFlightLoads(1.0, clock)
+    loads.open(9, {("disk", 0): _transfers("disk", 0, b"a", b"b")})
+    loads.answered("disk")
+    loads.fetched(9, ("disk", 0))  # its device copy is under way: slow on a busy host, but no tier's fault
+    clock.now += 5
+    assert loads.expire() == []
+    assert loads.part_done(9, ("disk", 0), {}) == {}

@@ -2,11 +2,13 @@
 are still out, which pages failed and why, and when each tier last answered.
 
 A job whose outstanding parts wait on a tier that has not answered (read or written a page, or
-failed one) for `timeout_s`, counted from the job's start at the earliest, is given up: the pages of
-those parts fail with reason "timeout", it completes at once, and what a tier thread fetches for it
+failed one) for `timeout_s`, counted from the job's start at the earliest, is given up (a part whose
+pages have all been read waits on no tier, only on its copy to the device): the pages of its
+outstanding parts fail with reason "timeout", it completes at once, and what a tier thread fetches for it
 afterwards is dropped, never written (its pages may belong to another request by then). So a dead
 peer costs a waiting request at most `timeout_s`, while a long load from a tier that keeps answering
-runs to its end. Host only: never imports jax; tier threads call `answered` and read `given_up`.
+runs to its end. Host only: never imports jax; tier threads call `answered` and `fetched` and read
+`given_up`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class _Job:
     started: float
     outstanding: dict[Part, list]  # part -> its page transfers, until the part reports
     failed: dict[TierKey, Failure] = field(default_factory=dict)
+    fetched: set = field(default_factory=set)  # parts whose pages are all read (a tier thread adds them)
     given_up: bool = False
 
 
@@ -40,6 +43,12 @@ class InFlightLoads:
     def answered(self, tier: str) -> None:
         """A tier thread finished a page (loaded, stored or failed): the tier is alive."""
         self._answered[tier] = self.clock()
+
+    def fetched(self, job_id: int, part: Part) -> None:
+        """A tier thread has read every page of `part`; what is left is host work (the device copy)."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job.fetched.add(part)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -78,8 +87,8 @@ class InFlightLoads:
         for job_id, job in self._jobs.items():
             if job.given_up:
                 continue
-            silent = {tier for tier, _ in job.outstanding
-                      if now - max(job.started, self._answered.get(tier, job.started)) >= self.timeout_s}
+            silent = {tier for tier, group in job.outstanding if (tier, group) not in job.fetched
+                      and now - max(job.started, self._answered.get(tier, job.started)) >= self.timeout_s}
             if not silent:
                 continue
             job.given_up = True
