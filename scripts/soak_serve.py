@@ -301,7 +301,10 @@ def write_row(row: str, command: str, machine: str, path: Path) -> str:
         "streams part-way, and every few minutes damages the disk tier's newest page files (flipped byte,",
         "truncation, deletion in turn). Pass: no request stuck after the replay, KV pages in use back at their",
         "value before it, resident memory within 10% of its value after the warm-up, exit status 0 on SIGTERM.",
-        f"Machine of the last row: {machine}. Load averages on 2 shared CPUs make the request counts low;",
+        "Longest stall: the longest stretch after the warm-up in which /metrics showed requests waiting, none",
+        "running and no token computed; the engine publishes its figures after each step, so one long step (a",
+        "compile of a new shape on a busy CPU) shows there too, while a wedge would last to the end (stuck > 0).",
+        f"Machine of the last row: {machine}. Heavy load averages (2 shared CPUs) make the request counts low;",
         "the pass figures do not depend on speed.", "",
         "| date | minutes | model | load avg start / end | requests ok | failed | faults | load failures "
         "| pages loaded | longest stall (s) | stuck | KV usage start -> end | RSS warm -> end | exit | pass | command |",
