@@ -1,8 +1,11 @@
-"""Issue 14 acceptance 2: faults of the offload tiers on SmolLM2 under batch_invariant numerics. A corrupt or
-truncated disk page is caught by its checksum and recomputed; a full disk (a real, tiny tmpfs)
-degrades to the host tier; a SIGKILLed Mooncake master degrades to the local tiers. In each case the
-tokens equal a plain run's, nothing crashes, and the fault shows in a log line and in
-`agentjax:kv_offload_*` on the /metrics registry."""
+"""Faults of the offload tiers under batch_invariant numerics. On SmolLM2 (issue 14): a corrupt or truncated
+disk page is caught by its checksum and recomputed; a full disk (a real, tiny tmpfs) degrades to the
+host tier; a SIGKILLed Mooncake master degrades to the local tiers. In each case the tokens equal a
+plain run's, nothing crashes, and the fault shows in a log line and in `agentjax:kv_offload_*` on the
+/metrics registry. On preset:tiny-dense (issue 32), a matrix of tier x fault x pool pressure: a load
+that fails releases its pages at once, the request is recomputed with a cold run's tokens after at
+most 2 s waiting on the tiers, the request queued behind it finishes, and the pool is back at its
+baseline."""
 from __future__ import annotations
 
 import logging
