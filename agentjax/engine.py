@@ -244,7 +244,7 @@ class Engine:
         self._log(plan)
         if self.offload_worker is not None:  # page stores and loads, before this step's copies
             self.offload_worker.run(self.runner, plan.kv_transfers)
-            if not plan.scheduled and self.offload.num_held:
+            if not plan.scheduled and self.offload.waiting_on_tiers:
                 self.offload_worker.wait(0.01)  # only parked requests: wait for a tier, not spin
                 return []
         if not plan.scheduled:

@@ -72,6 +72,9 @@ def add_offload_flags(parser: argparse.ArgumentParser) -> None:
         help="distributed tier: the Mooncake Store master to share pages through (default: off)")
     add("--mooncake-segment-gb", type=float, default=_DEFAULTS.mooncake_segment_gb,
         help=f"memory this engine lends to the Mooncake pool, in {GIB}")
+    add("--kv-load-timeout-s", type=float, default=_DEFAULTS.kv_load_timeout_s, metavar="SECONDS",
+        help="how long a KV load may wait on the disk or Mooncake tier without an answer before it is given "
+             "up: those tokens are recomputed and the tier is out of use for 30 s")
     add("--kv-offload-retention", choices=("interval", "marconi"), default=_DEFAULTS.kv_offload_retention,
         help="which pages a finished turn stores in the tiers: interval (all of them) or marconi (the prefix "
              "a second turn shared, and branch points)")

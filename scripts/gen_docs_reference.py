@@ -182,7 +182,7 @@ def metrics_reference() -> str:
                          f"{cell(metric['help'])} |")
         lines.append("")
     lines += ["Label values: `tier` is `host`, `disk` or `mooncake`; `reason` on `kv_offload_load_failures` is "
-              "`checksum`, `missing`, `error` or `degraded`, on `kv_offload_store_failures` `disk_full`, `io_error` "
+              "`checksum`, `missing`, `error`, `degraded` or `timeout`, on `kv_offload_store_failures` `disk_full`, `io_error` "
               "or `error`; `finished_reason` is the engine's finish reason, `stop`, `length` or `abort`; `status` is the HTTP "
               "status; `position` is a draft token's place (0 = first). The router's `replica` is a replica's URL "
               "and `role` `mixed`, `prefill` or `decode`."]
