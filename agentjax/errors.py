@@ -64,3 +64,7 @@ class ParallelLayoutError(AgentjaxError, ValueError):
 class SpeculativeConfigError(AgentjaxError, ValueError):
     """`speculative_config` names an unknown method, an out-of-range setting, or a method this model or
     layout cannot run."""
+
+
+class ServerConfigError(AgentjaxError, ValueError):
+    """`agentjax serve` (or `router`) was given an unreadable or malformed keys file, or keys that conflict."""

@@ -129,8 +129,12 @@ class AnthropicServing:
         cache_marks(body)  # more than 4 marks fail here, before any rendering
         return chat, self.chat_path.prompt_ids(chat)
 
+    def _prepare_with_pins(self, body: MessagesRequest) -> tuple[ChatInput, list[int], list[tuple[int, float]]]:
+        chat, prompt = self.prepare(body)
+        return chat, prompt, pin_prefixes(self.chat_path, body, chat, prompt)
+
     async def count_tokens(self, body: CountTokensRequest) -> Response:
-        _, prompt = self.prepare(body)
+        _, prompt = await self.chat_path.off_loop(self.prepare, body)
         return JSONResponse({"input_tokens": len(prompt)})
 
     def sampling_of(self, body: MessagesRequest, prompt_len: int) -> SamplingParams:
@@ -147,12 +151,11 @@ class AnthropicServing:
         if ignored:
             logger.info("/v1/messages: ignoring %s (not supported by this server)",
                         ", ".join(f"{name}={json.dumps(getattr(body, name))[:80]}" for name in ignored))
-        chat, prompt = self.prepare(body)
+        chat, prompt, pins = await self.chat_path.off_loop(self._prepare_with_pins, body)
         sampling = self.sampling_of(body, len(prompt))
-        pins = pin_prefixes(self.chat_path, body, chat, prompt)
         user_id = body.metadata.user_id if body.metadata is not None else None
         session_id = session_id_from(anthropic_session_id(user_id), body.agent_hints, request)
-        kwargs = self.openai.engine_kwargs_of(body, session_id)
+        kwargs = self.openai.engine_kwargs_of(body, session_id, request)
         if pins:
             kwargs["pin_prefixes"] = pins
         run = (await self.chat_path.start(chat, sampling, prompt, **kwargs)).report_usage_to(request)

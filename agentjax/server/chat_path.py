@@ -10,9 +10,9 @@ no parser. Never imports jax.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from agentjax.sampling_params import SamplingParams
 from agentjax.server.async_engine import AsyncEngine
@@ -31,7 +31,10 @@ from agentjax.server.chat_run import (  # noqa: F401  (re-exported: the front en
 )
 from agentjax.server.errors import APIError
 from agentjax.server.tool_parsers import tool_parser_class
+from agentjax.server.worker_pool import WorkerPool
 from agentjax.structured.spec import StructuredOutput
+
+T = TypeVar("T")
 
 # Most calls one reply makes under a forced tool choice with parallel calls: a small model can
 # otherwise repeat calls until max_tokens (the grammar lets the reply end after any call).
@@ -70,8 +73,10 @@ class ChatPath:
     """Budgets, renders, constrains and queues requests on one `AsyncEngine`."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, *, max_tokens_limit: int | None = None,
-                 default_max_tokens: int | None = None, tool_parser: str = "hermes"):
+                 default_max_tokens: int | None = None, tool_parser: str = "hermes",
+                 workers: WorkerPool | None = None):
         self.engine = engine
+        self.workers = workers  # where prompts are rendered and tokenized; None: inline (tests)
         self.tokenizer = tokenizer
         self.max_tokens_limit = max_tokens_limit  # the operator's cap (--max-tokens-limit); None: none
         self.default_max_tokens = default_max_tokens  # for requests that set no budget; None: the context left
@@ -106,6 +111,13 @@ class ChatPath:
         return requested
 
     # ---- tools and prompts --------------------------------------------------------------------
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the worker pool: rendering and tokenizing take time in proportion to
+        the body, and must not stall the event loop."""
+        if self.workers is None:
+            return fn(*args, **kwargs)
+        return await self.workers.run(fn, *args, **kwargs)
+
     def check_tools(self, chat: ChatInput, param: str = "tools") -> None:
         names = set()
         for index, tool in enumerate(chat.tools):

@@ -13,11 +13,11 @@ import os
 import time
 from pathlib import Path
 
+from agentjax.server.tenancy import API_KEY_ENV, OPERATOR_KEY_ENV
 from agentjax.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "AGENTJAX_API_KEY"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -26,8 +26,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     add("--port", type=int, default=8000)
-    add("--api-key", default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    add("--api-key", action="append", default=None, metavar="KEY",
+        help=f"a key clients send ('Authorization: Bearer KEY' or 'x-api-key: KEY'); may repeat. With any key "
+             f"set, every route but /health needs one, and each key gets its own prefix-cache namespace "
+             f"(default: ${API_KEY_ENV}, else none: the server is open)")
+    add("--api-keys-file", default=None, metavar="PATH",
+        help='keys in a JSON file: {"keys": [{"key": "...", "namespace": "team-a", "operator": false}, ...]}; '
+             "keys that name the same namespace share their prefix cache")
+    add("--operator-key", action="append", default=None, metavar="KEY",
+        help=f"a key that may also read /metrics, /kv/events and /kv/prompt_hashes (what is cached); may repeat "
+             f"(default: ${OPERATOR_KEY_ENV}, else none)")
+    add("--metrics-without-key", action="store_true",
+        help="serve /metrics without a key even when keys are set (for a scraper that sends none)")
     add("--served-model-name", default=None, help="the model id clients send (default: from --model)")
     add("--max-model-len", type=int, default=None, help="longest prompt plus output (default: the model's)")
     add("--max-num-seqs", type=int, default=64, help="requests in one step")
@@ -62,6 +72,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-queued-requests", type=int, default=256, help="requests queued or running before 429")
     add("--max-request-body-bytes", type=int, default=8 * 2**20, help="largest request body (413 beyond)")
     add("--timeout-graceful-shutdown", type=float, default=30.0, help="seconds to let requests finish on SIGTERM")
+
+
+def key_ring_from_args(args: argparse.Namespace):
+    """The server's keys: `--api-key` (else $AGENTJAX_API_KEY), `--operator-key` (else
+    $AGENTJAX_OPERATOR_KEY) and `--api-keys-file`."""
+    from agentjax.server.tenancy import KeyRing
+
+    api_keys = args.api_key or [os.environ.get(API_KEY_ENV, "")]
+    operator_keys = args.operator_key or [os.environ.get(OPERATOR_KEY_ENV, "")]
+    return KeyRing.build(api_keys, operator_keys, args.api_keys_file)
 
 
 def engine_config_from_args(args: argparse.Namespace, base: dict):
@@ -102,8 +122,12 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
     from agentjax.server.app import create_app
     from agentjax.server.serving import ServerLimits
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    keys = key_ring_from_args(args)  # a bad keys file stops the server before the model loads
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys.enabled:
         logger.warning("binding to %s without --api-key: anyone who can reach it can use it", args.host)
+    if keys.enabled:
+        logger.warning("%d API key(s), %s operator key; each key's prefix cache is its own unless the keys "
+                       "file names a shared namespace", len(keys), "with an" if keys.has_operator else "no")
     config = engine_config_from_args(args, engine_args)
     started = time.perf_counter()
     if config.num_processes > 1:
@@ -121,8 +145,9 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_queued_requests=args.max_queued_requests)
     aliases = tuple(a for a in (model_cfg.name, args.model) if a)
-    app = create_app(engine, tokenizer, model_name=name, model_aliases=aliases, api_key=args.api_key,
-                     limits=limits, tool_call_parser=args.tool_call_parser)
+    app = create_app(engine, tokenizer, model_name=name, model_aliases=aliases, keys=keys,
+                     metrics_without_key=args.metrics_without_key, limits=limits,
+                     tool_call_parser=args.tool_call_parser)
     server = graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                                            access_log=False))
