@@ -270,8 +270,11 @@ class Tokenizer:
         return self._tokens[token_id]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, BOS first when the model asks for it."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; with `add_special_tokens`, BOS first when the model asks for it.
+
+        `encode_batch` releases the GIL while it encodes (`encode` holds it): a long prompt tokenized
+        on a server's worker thread then leaves the event loop free."""
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and self._bos_token_id is not None:
             return [self._bos_token_id, *ids]
         return ids

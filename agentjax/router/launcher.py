@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from agentjax.router.policies import POLICIES
+from agentjax.server.tenancy import OPERATOR_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     add("--migration-min-gap", type=float, default=0.0,
         help="a session moves with its KV prefetched only when its agent hints announce a tool gap "
              "(expected_next_turn_s) at least this long, or announce none")
+    add("--operator-key", default=os.environ.get(OPERATOR_KEY_ENV), metavar="KEY",
+        help="the replicas' operator key: the router's health, metrics, KV event and prompt hash calls send it "
+             "(replicas with keys answer those only to an operator), and the router's own /metrics and "
+             f"/router/* routes then need it (default: ${OPERATOR_KEY_ENV}, else none)")
     add("--timeout-graceful-shutdown", type=float, default=30.0, help="seconds to let replies finish on SIGTERM")
 
 
@@ -66,7 +72,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     policy = make_policy(default_policy(args), replicas, args.max_imbalance)
     router = Router(replicas, policy, upstream_timeout_s=args.upstream_timeout,
                     health_interval_s=args.health_interval, unhealthy_after=args.unhealthy_after,
-                    kv_transfer_timeout_s=args.kv_transfer_timeout, migration_min_gap_s=args.migration_min_gap)
+                    kv_transfer_timeout_s=args.kv_transfer_timeout, migration_min_gap_s=args.migration_min_gap,
+                    operator_key=args.operator_key)
     logger.warning("agentjax router on http://%s:%d", args.host, args.port)
     server = graceful_server(uvicorn.Config(create_router_app(router), host=args.host, port=args.port,
                                            log_level=args.log_level.lower(), access_log=False,

@@ -20,10 +20,10 @@ from starlette.responses import Response
 
 from agentjax.server.errors import APIError
 
-# A `\u` escape of NUL or of a surrogate, after an even number of backslashes (so not `\\u...`, an
-# escaped backslash followed by text). Only then can a parsed string hold either; a hit is checked
-# string by string (a high surrogate escape followed by a low one is one valid character).
-_SUSPECT_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u(?:0000|[dD][89a-fA-F][0-9a-fA-F]{2})")
+# A `\u` escape of NUL or of a surrogate: only then can a parsed string hold either. A hit is checked
+# string by string (it may be an escaped backslash before plain text, or a high surrogate escape
+# followed by a low one, which is one valid character). A literal start keeps the scan at memchr speed.
+_SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 _BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
 JSON_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
