@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
+from agentjax.errors import TokenLimitError
 from agentjax.sampling_params import SamplingParams
 from agentjax.server.async_engine import AsyncEngine
 from agentjax.server.chat_run import (  # noqa: F401  (re-exported: the front ends import them from here)
@@ -137,11 +138,31 @@ class ChatPath:
             raise APIError(f"tool_choice names {choice.name!r}, which is not among the tools "
                            f"({', '.join(sorted(names))})", param="tool_choice")
 
-    def prompt_ids(self, chat: ChatInput, add_generation_prompt: bool = True) -> list[int]:
+    def prompt_ids(self, chat: ChatInput, add_generation_prompt: bool = True,
+                   api: Literal["openai", "anthropic"] = "openai", bounded: bool = True) -> list[int]:
         """The rendered prompt. Tools are rendered even with tool choice `none`, so that an agent that
-        switches tool choice between turns keeps its prompt prefix (and its cache hits)."""
-        return self.tokenizer.encode_chat(chat.messages, add_generation_prompt=add_generation_prompt,
-                                          tools=chat.tools or None)
+        switches tool choice between turns keeps its prompt prefix (and its cache hits). `bounded`: a
+        prompt that leaves no room for one new token is a 400 known from its token count alone (a
+        5 MB prompt's ids are never built)."""
+        context = self._context() if bounded else None
+        try:
+            return self.tokenizer.encode_chat(chat.messages, add_generation_prompt=add_generation_prompt,
+                                              tools=chat.tools or None, max_tokens=context and context - 1)
+        except TokenLimitError as error:
+            raise ContextLengthError(_prompt_too_long(error.num_tokens, context, api), param="messages",
+                                     code="context_length_exceeded") from None
+
+    def _context(self) -> int | None:
+        return getattr(self.engine, "max_model_len", None)
+
+    def text_ids(self, text: str, add_special_tokens: bool = True, bounded: bool = True) -> list[int]:
+        """A text prompt's ids (completions), bounded as `prompt_ids`."""
+        context = self._context() if bounded else None
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=context and context - 1)
+        except TokenLimitError as error:
+            raise ContextLengthError(_prompt_too_long(error.num_tokens, context, "openai"), param="prompt",
+                                     code="context_length_exceeded") from None
 
     def constraint(self, chat: ChatInput) -> StructuredOutput | None:
         """What decoding must produce: a call when the tool choice forces one, else the response format."""

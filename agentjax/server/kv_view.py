@@ -160,7 +160,7 @@ def _parse_prompt(path: str, body: dict, tenant: Tenant, serving: Any, messages_
             prompt = completion.prompt
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]
-            tokens = serving.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            tokens = serving.chat_path.text_ids(prompt) if isinstance(prompt, str) else list(prompt)
             return tokens, completion.cache_salt, completion
         if path == "/v1/messages":
             message = anthropic_protocol.MessagesRequest.model_validate(body)

@@ -310,10 +310,10 @@ class OpenAIServing:
 
     def _prompts_of(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [self.chat_path.text_ids(prompt)]
         if prompt and isinstance(prompt[0], int):
             return [list(prompt)]
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [self.chat_path.text_ids(p) if isinstance(p, str) else list(p) for p in prompt]
 
     # ---- tokenizer routes (vLLM's extension) ----------------------------------------------------
     async def tokenize(self, body: TokenizeRequest) -> dict:
@@ -332,7 +332,7 @@ class OpenAIServing:
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
             chat = ChatInput(chat_messages(body.messages), tools)
             self.chat_path.check_tools(chat)
-            tokens = self.chat_path.prompt_ids(chat, add_generation_prompt=body.add_generation_prompt)
+            tokens = self.chat_path.prompt_ids(chat, add_generation_prompt=body.add_generation_prompt, bounded=False)
         strs = [self.tokenizer.decode([t], skip_special_tokens=False) for t in tokens] if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens,
                 "token_strs": strs}
