@@ -97,8 +97,11 @@ class AsyncEngine:
         return len(self._streams)
 
     # ---- called from the event loop ---------------------------------------------------------
-    async def add_request(self, prompt_token_ids: list[int], sampling: Any, **engine_kwargs: Any) -> RequestStream:
-        """Queues a request; raises the engine's validation error, or 429 beyond the bound."""
+    async def add_request(self, prompt_token_ids: list[int], sampling: Any, *, check: Any = None,
+                          **engine_kwargs: Any) -> RequestStream:
+        """Queues a request; raises the engine's validation error, or 429 beyond the bound. `check`, a
+        `StructuredOutput` the request does not decode under (the tools of an `auto` tool choice), must
+        compile as one it did (`InvalidRequestError` otherwise), checked on the same trip."""
         if len(self._streams) >= self.max_queued_requests:
             raise ServerOverloadedError(
                 f"the server already has {len(self._streams)} requests queued or running "
@@ -106,7 +109,7 @@ class AsyncEngine:
         stream = RequestStream(f"req-{uuid.uuid4().hex}")
         self._streams[stream.request_id] = stream
         accepted = self._loop.create_future()
-        self._submit(("add", stream.request_id, prompt_token_ids, sampling, engine_kwargs, accepted))
+        self._submit(("add", stream.request_id, prompt_token_ids, sampling, engine_kwargs, accepted, check))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -191,9 +194,11 @@ class AsyncEngine:
                 return
             kind = command[0]
             if kind == "add":
-                _, request_id, prompt, sampling, kwargs, accepted = command
+                _, request_id, prompt, sampling, kwargs, accepted, check = command
                 error = None
                 try:
+                    if check is not None and isinstance(getattr(type(self.engine), "grammar", None), property):
+                        self.engine.grammar.check(check)
                     self.engine.add_request(prompt, sampling, request_id, **kwargs)
                     self._live.add(request_id)
                 except Exception as exc:  # validation errors go back to the handler that asked

@@ -10,11 +10,12 @@ no parser. Never imports jax.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
-from agentjax.errors import TokenLimitError
+from agentjax.errors import InvalidRequestError, TokenLimitError
 from agentjax.sampling_params import SamplingParams
 from agentjax.server.async_engine import AsyncEngine
 from agentjax.server.chat_run import (  # noqa: F401  (re-exported: the front ends import them from here)
@@ -37,6 +38,7 @@ from agentjax.structured.spec import StructuredOutput
 
 T = TypeVar("T")
 
+TOOL_GRAMMAR_ERROR = "the lark constraint is not usable: "  # the tool parsers' constraints are lark grammars
 # Most calls one reply makes under a forced tool choice with parallel calls: a small model can
 # otherwise repeat calls until max_tokens (the grammar lets the reply end after any call).
 MAX_FORCED_PARALLEL_CALLS = 8
@@ -193,7 +195,17 @@ class ChatPath:
         if constraint is not None:
             sampling = replace(sampling, structured=constraint)
         parser = self.tool_parser(chat.tools) if chat.tools and chat.tool_choice.mode != "none" else None
-        stream = await self.engine.add_request(list(prompt), sampling, **engine_kwargs)
+        check = None  # under `auto` the tools' schemas are checked as a forced choice's grammar would be
+        if parser is not None and not chat.tool_choice.forced:
+            check = self.tool_parser.constraint([t["function"] for t in chat.tools], 1)
+        try:
+            stream = await self.engine.add_request(list(prompt), sampling, check=check, **engine_kwargs)
+        except InvalidRequestError as error:
+            if parser is not None and str(error).startswith(TOOL_GRAMMAR_ERROR):
+                reason = re.sub(r"^at \d+\(\d+\): ", "", str(error).removeprefix(TOOL_GRAMMAR_ERROR))
+                raise APIError(f"tools: a function's parameters are not a usable JSON schema: {reason}",
+                               param="tools", code="invalid_tool_schema") from None
+            raise
         forced = chat.tool_choice.forced and parser is not None
         run = ChatRun(self.engine, self.tokenizer, stream, len(prompt), sampling, parser, forced_calls=forced)
         run.counts_prompt = engine_kwargs.get("fork_of") is None
