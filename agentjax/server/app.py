@@ -8,6 +8,8 @@ Anthropic's `{"type": "error", "error": {"type", "message"}}`; nothing it sends 
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -69,7 +71,9 @@ def error_response(status: int, message: str, error_type: str = "invalid_request
 
 class AccessLogMiddleware:
     """Pure ASGI: one INFO line per HTTP request once its response has ended (streams included):
-    method, path, status, seconds, and the reply's token counts when it ran on the engine."""
+    method, path, status, seconds, and the reply's token counts when it ran on the engine. A request
+    uvicorn cancels at the end of its graceful shutdown ends here, its response closed, with one
+    WARNING line instead of a CancelledError traceback."""
 
     def __init__(self, app):
         self.app = app
@@ -82,15 +86,28 @@ class AccessLogMiddleware:
         scope[USAGE_SCOPE_KEY] = usage
         status = 500
         started = time.perf_counter()
+        response_started = False
 
         async def recording_send(message):
-            nonlocal status
+            nonlocal status, response_started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, response_started = message["status"], True
             await send(message)
 
         try:
             await self.app(scope, receive, recording_send)
+        except asyncio.CancelledError:
+            if not getattr(getattr(scope.get("app"), "state", None), "shutting_down", False):
+                raise  # a client that left (some servers cancel its task): not ours to end
+            access_logger.warning("%s %s cancelled: the graceful shutdown's time is up", scope.get("method"),
+                                  scope.get("path"))
+            with contextlib.suppress(Exception):
+                if response_started:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    status = 503
+                    await error_response(503, "the server is shutting down", "service_unavailable",
+                                         code="shutting_down", path=scope.get("path", ""))(scope, receive, send)
         finally:
             counts = "".join(f" {key}={value}" for key, value in usage.items())
             access_logger.info("%s %s %d %.3fs%s", scope.get("method"), scope.get("path"), status,

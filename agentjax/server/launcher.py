@@ -7,10 +7,12 @@ thread, and the process exits with status 0. jax is imported only when `serve` r
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agentjax.server.tenancy import API_KEY_ENV, OPERATOR_KEY_ENV
@@ -150,7 +152,7 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
                      tool_call_parser=args.tool_call_parser)
     server = graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-                                           access_log=False))
+                                           access_log=False), on_deadline=lambda: end_requests(app))
     server.run()
     if config.num_processes > 1:
         engine.runner.send({"call": "stop"})  # the other processes' follow loops end too
@@ -167,11 +169,36 @@ def follow_driver(engine, config) -> int:
     return 0
 
 
-def graceful_server(config):
-    """uvicorn's server, but a handled SIGTERM ends in exit status 0 rather than being re-raised."""
+def end_requests(app) -> None:
+    """The graceful shutdown's time is up: every request still running ends now with a 503 (a stream
+    with an error event, so its client knows it was cut) rather than being cancelled mid-write."""
+    from agentjax.server.errors import ServerShuttingDownError
+
+    logger.warning("graceful shutdown: ending %d request(s) still running", app.state.async_engine.num_in_flight)
+    app.state.shutting_down = True
+    app.state.async_engine.fail_all(ServerShuttingDownError("the server is shutting down and its "
+                                                            "--timeout-graceful-shutdown has passed; retry the "
+                                                            "request", code="shutting_down"))
+
+
+def graceful_server(config, on_deadline: Callable[[], None] | None = None):
+    """uvicorn's server, but a handled SIGTERM ends in exit status 0 rather than being re-raised, and
+    `on_deadline` runs a moment before `timeout_graceful_shutdown` passes (so requests can end
+    themselves before uvicorn cancels them)."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            grace = self.config.timeout_graceful_shutdown
+            timer = None
+            if on_deadline is not None and grace:
+                timer = asyncio.get_running_loop().call_later(max(0.0, grace - min(1.0, grace / 2)), on_deadline)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
         def handle_exit(self, sig, frame) -> None:
             logger.warning("received signal %d: shutting down gracefully", sig)
             super().handle_exit(sig, frame)

@@ -84,16 +84,31 @@ class ServerLimits:
 
 
 class AbortOnCloseStreamingResponse(StreamingResponse):
-    """A streaming response that runs `on_close` however it ends: finished, failed or disconnected."""
+    """A streaming response that runs `on_close` however it ends: finished, failed or disconnected.
+    A stream its client left before the end counts in the app's `agentjax:request_errors{status="499"}`,
+    as a non-streamed request whose client left does."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.ended = False  # the content ran to its end (or failed): not a dropped stream
+        super().__init__(self._watched(content), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
+
+    async def _watched(self, content: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for chunk in content:
+                yield chunk
+        except Exception:
+            self.ended = True
+            raise
+        self.ended = True
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            metrics = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
+            if not self.ended and metrics is not None:
+                metrics.request_errors.labels(status="499").inc()
             self.on_close()
 
 
