@@ -64,7 +64,8 @@ def test_every_route_but_health_needs_a_key_and_the_cache_revealing_ones_an_oper
             as_operator = http.request(method, path, headers=auth("operator"), **body)
             if path in OPERATOR_ROUTES:
                 assert as_tenant.status_code == 403, (method, path, as_tenant.text)
-                assert "operator key" in as_tenant.text if method != "HEAD" else True
+                if method != "HEAD":
+                    assert "operator key" in as_tenant.text
             else:
                 assert as_tenant.status_code not in (401, 403), (method, path, as_tenant.text)
             assert as_operator.status_code not in (401, 403), (method, path, as_operator.text)
