@@ -157,7 +157,8 @@ def tenant_server(tmp_path_factory):
     keys_file.write_text(json.dumps(KEYS_FILE))
     disk = tmp_path_factory.mktemp("tenant-disk")
     server = start_server(log_dir, "--model", "preset:tiny-dense", "--num-kv-blocks", "48", "--host-cache-gb",
-                          "0.05", "--disk-cache-dir", str(disk), "--api-keys-file", str(keys_file))
+                          "0.05", "--disk-cache-dir", str(disk), "--api-keys-file", str(keys_file),
+                          "--default-max-tokens", "4")  # a fuzzed body that loses its budget stays short
     server.api_key = TENANT_KEYS["alice"]
     router = None
     try:
