@@ -26,6 +26,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-impl", choices=("auto", "kernel", "reference"), default="auto",
                         help="the model's paged, sparse and MoE ops: the Pallas kernels or the jnp references (XLA); "
                              "auto (default): kernels on a GPU, references on a CPU")
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=("fp8", "deepseek_v4_fp8", "mxfp8", "modelopt_mxfp8", "modelopt_fp4", "compressed-tensors"),
+                        help="the quantisation the HF checkpoint must declare (vLLM's names); default: the checkpoint's "
+                             "quantization_config. Quantised weights stay quantised on the devices")
     parser.add_argument("--speculative-config", default=None,
                         help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              "(prompt_lookup_min/prompt_lookup_max for ngram); default: off")
@@ -58,6 +62,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
         trim_prefill_to_buckets=args.trim_prefill_to_buckets,
         numerics=args.numerics,
         attention_impl=args.attention_impl,
+        quantization=args.quantization,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,

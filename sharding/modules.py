@@ -278,6 +278,11 @@ def build_local_model(cfg, parallel: ParallelConfig, numerics: str, *, attention
     return graphdef, state, plans
 
 
+def specs_of(params):
+    """The PartitionSpec of every array of placed parameters (a StoredWeight's parts each their own)."""
+    return jax.tree.map(lambda leaf: leaf.sharding.spec, params)
+
+
 def local_specs(state, plans: dict):
     """The PartitionSpec of each parameter, as a state-shaped pytree (shard_map's in_specs)."""
     from jax.sharding import PartitionSpec
@@ -287,9 +292,19 @@ def local_specs(state, plans: dict):
     return nnx.from_flat_state(flat)
 
 
+def _placed_on(value, mesh) -> bool:
+    """Every array of a parameter (a StoredWeight's parts too) already sharded over `mesh`."""
+    from jax.sharding import NamedSharding
+
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
+                                and leaf.sharding.mesh == mesh for leaf in leaves)
+
+
 def place_parameters(params, plans: dict, mesh):
     """The single-device parameters laid out over `mesh` (transformed on the host where a layout
-    repeats heads or interleaves gate|up halves), built shard by shard so every process supplies its own."""
+    repeats heads or interleaves gate|up halves), built shard by shard so every process supplies its own.
+    Parameters already laid out over `mesh` (a streamed checkpoint, sharding/streaming_load.py) stay."""
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -297,6 +312,9 @@ def place_parameters(params, plans: dict, mesh):
     for path, variable in nnx.to_flat_state(params):
         if path not in plans:
             continue  # MTP modules: loaded with the model, not run by the step
+        if _placed_on(variable.get_value(), mesh):
+            flat.append((path, variable))
+            continue
         plan = plans[path]
         value = plan.place(np.asarray(jax.device_get(variable.get_value())))
         sharding = NamedSharding(mesh, PartitionSpec(*plan.spec))
