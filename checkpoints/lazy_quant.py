@@ -99,10 +99,19 @@ class LazyQuant:
         return self._with(values, scales, glob, shape=shape)
 
     def __getitem__(self, index) -> "LazyQuant":
+        items = index if isinstance(index, tuple) else (index,)
+        dropped = {a for a, i in enumerate(items) if isinstance(i, (int, np.integer))}
+        if dropped & {self.ndim - 2, self.ndim - 1}:
+            raise UnsupportedModelError(f"{self.origin}: a quantised tensor keeps its last two axes")
         index = normalize(index, self.shape)
-        values, scales, glob = self.region(index)
-        return self._with(*(None if p is None else p[i] for p, i in zip(self.parts, (values, scales, glob))),
-                          shape=region_shape(index))
+        regions = self.region(index)
+
+        def cut(region):  # integer indices drop their (leading) axes, as numpy's do
+            return tuple(s.start if a in dropped else s for a, s in enumerate(region))
+
+        parts = [None if p is None else p[cut(r)] for p, r in zip(self.parts, regions)]
+        shape = tuple(n for a, n in enumerate(region_shape(index)) if a not in dropped)
+        return self._with(*parts, shape=shape)
 
     def region(self, index: Index) -> tuple[Index, Index | None, Index | None]:
         """The regions of values, scales and global scale behind a logical region whose bounds on the

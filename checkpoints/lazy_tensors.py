@@ -232,7 +232,7 @@ class Source(Lazy):
         shape, itemsize = self.shape, self.dtype.itemsize
         if not shape:
             out = np.empty((), self.dtype)
-            self.reads.pread_into(self.entry, memoryview(out.reshape(1)).cast("B"), self.entry.offset)
+            self.reads.pread_into(self.entry, memoryview(out.reshape(1).view(np.uint8)), self.entry.offset)
             return out
         wanted = region_shape(index)
         if 0 in wanted:
@@ -248,7 +248,7 @@ class Source(Lazy):
             k = max((a for a in range(k) if (fetch[a].start, fetch[a].stop) != (0, shape[a])), default=0)
         out = np.empty(region_shape(fetch), self.dtype)
         run_elems = (fetch[k].stop - fetch[k].start) * math.prod(shape[k + 1:])
-        flat = memoryview(out.reshape(-1)).cast("B")
+        flat = memoryview(out.reshape(-1).view(np.uint8))
         strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
         outer = [range(fetch[a].start, fetch[a].stop) for a in range(k)]
         for n, position in enumerate(np.ndindex(*[len(r) for r in outer]) if k else [()]):

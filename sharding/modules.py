@@ -16,6 +16,7 @@ from flax import nnx
 from agentjax.errors import ParallelLayoutError
 from agentjax.models.layers import Linear
 from agentjax.models.moe import GatedFeedForward, RoutedExperts, _weighted_sum
+from agentjax.models.quantized import take_experts
 from agentjax.numerics import dense, map_row_blocks
 from sharding import collectives
 from sharding.layouts import ParamPlan, local_model_config, plan_parameters
@@ -192,8 +193,8 @@ class ExpertParallelExperts(RoutedExperts):
 
     def _pairs(self, rows, ids):
         """Each row against its k gathered local experts: the single-device `_gathered` before its sum."""
-        gate_up = jnp.einsum("bd,bkdn->bkn", rows, self.gate_up_proj[...][ids])
-        return jnp.einsum("bki,bkid->bkd", self.activation.on_fused(gate_up), self.down_proj[...][ids])
+        gate_up = jnp.einsum("bd,bkdn->bkn", rows, take_experts(self.gate_up_proj.get_value(), ids))
+        return jnp.einsum("bki,bkid->bkd", self.activation.on_fused(gate_up), take_experts(self.down_proj.get_value(), ids))
 
 
 def _get(root, path: tuple):

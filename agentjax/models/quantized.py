@@ -83,6 +83,15 @@ class StoredWeight:
         return rows.dequantize()
 
 
+def take_experts(weight, ids):
+    """`weight[...][ids]` for a stack of expert matrices `[E, ...]`: a stored weight gathers its parts'
+    rows of those experts first and decodes only them (the same values)."""
+    if not isinstance(weight, StoredWeight):
+        return weight[ids]
+    parts = [None if p is None else p[ids] for p in weight.parts]
+    return StoredWeight(*parts, codec=weight.codec, dtype=weight.compute_dtype).dequantize()
+
+
 def grouped_operand(weight):
     """The MoE kernel's operand for routed experts `[E, K, N]`: FP8 with block scales stays FP8
     (`pallas_kernels.moe_grouped_matmul.Fp8Experts`); other formats are decoded here."""
