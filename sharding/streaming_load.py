@@ -148,19 +148,27 @@ def _part_starts(placement: ParamPlacement, part, slab: Index, index: Index) -> 
     return starts
 
 
-def _load_shard(placement: ParamPlacement, device, piece_bytes: int) -> list:
-    """This device's arrays of every part of one parameter."""
-    index = logical_device_index(placement, device)
+def _load_shard(placement: ParamPlacement, devices: list, piece_bytes: int) -> list[list]:
+    """The arrays of every part of one parameter on each of `devices`, which all hold the same region of it
+    (a replicated parameter's devices, say): each slab is read once and put on every one of them."""
+    index = logical_device_index(placement, devices[0])
     slabs = _slabs(placement, index, piece_bytes)
     if len(slabs) == 1:
-        return [jax.device_put(_read(reads), device) for reads in placement.device_reads(index)]
-    shapes = [region_shape(_part_region(p, device)) for p in placement.parts]
-    buffers = [jax.device_put(np.zeros(shape, p.dtype), device) for shape, p in zip(shapes, placement.parts)]
+        pieces = [_read(reads) for reads in placement.device_reads(index)]
+        return [[jax.device_put(piece, device) for piece in pieces] for device in devices]
+    shapes = [region_shape(_part_region(p, devices[0])) for p in placement.parts]
+    buffers = [[jax.device_put(np.zeros(shape, p.dtype), device) for shape, p in zip(shapes, placement.parts)]
+               for device in devices]
     for slab in slabs:
         for k, (part, reads) in enumerate(zip(placement.parts, placement.device_reads(slab))):
-            starts = jax.device_put(_part_starts(placement, part, slab, index), device)
-            buffers[k] = _write(buffers[k], jax.device_put(_read(reads), device), starts)
+            piece, starts = _read(reads), _part_starts(placement, part, slab, index)
+            for held, device in zip(buffers, devices):
+                held[k] = _write(held[k], jax.device_put(piece, device), jax.device_put(starts, device))
     return buffers
+
+
+def _read_bytes(placement: ParamPlacement, group: list) -> int:
+    return placement.local_bytes(group[0])
 
 
 def _part_region(part, device) -> Index:
@@ -182,17 +190,24 @@ def load_params(cfg, recipes: dict, *, parallel=None, numerics: str = "fast", me
     devices = list(mesh.local_devices) if sharded else [jax.devices()[0]]
     weights = {d: sum(p.local_bytes(d) for p in plan) for d in devices}
     check_memory(weights, kv_bytes, parallel.name if sharded else "one device", devices, quiet=not progress)
-    tasks = [(p, d) for p in plan for d in devices if logical_device_index(p, d) is not None]
+    tasks = []  # (placement, the local devices holding one same region of it)
+    for placement in plan:
+        groups: dict = {}
+        for device in devices:
+            index = logical_device_index(placement, device)
+            if index is not None:
+                groups.setdefault(index, []).append(device)
+        tasks += [(placement, group) for group in groups.values()]
     remaining = {id(p): sum(1 for q, _ in tasks if q is p) for p in plan}
-    meter = LoadProgress(len(plan), sum(weights.values()), progress)
+    meter = LoadProgress(len(plan), sum(_read_bytes(p, group) for p, group in tasks), progress)
     shards: dict[int, dict] = {id(p): {} for p in plan}
     lock = threading.Lock()
 
     def run(task):
-        placement, device = task
-        arrays = _load_shard(placement, device, piece_bytes)
+        placement, group = task
+        arrays = _load_shard(placement, group, piece_bytes)
         with lock:
-            shards[id(placement)][device] = arrays
+            shards[id(placement)].update(zip(group, arrays))
             remaining[id(placement)] -= 1
             finished = remaining[id(placement)] == 0
         if finished:
