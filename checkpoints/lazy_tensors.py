@@ -48,6 +48,17 @@ class FileReads:
         with self._lock:
             self.bytes_read += got
 
+    def pread_runs(self, entry: TensorEntry, buffer: memoryview, offsets: list[int], run_bytes: int) -> None:
+        """`len(offsets)` runs of `run_bytes` from the file, one after another into `buffer`."""
+        fd = self.fd(entry.file)
+        for n, offset in enumerate(offsets):
+            view = buffer[n * run_bytes:(n + 1) * run_bytes]
+            if os.preadv(fd, [view], offset) != run_bytes:
+                raise CorruptCheckpointError(f"safetensors file {entry.file} is truncated: tensor {entry.name!r} "
+                                             f"needs bytes up to {offset + run_bytes}, the file ended first")
+        with self._lock:
+            self.bytes_read += run_bytes * len(offsets)
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
@@ -93,6 +104,10 @@ class Lazy:
 
     def read(self, index: Index) -> np.ndarray:
         raise NotImplementedError
+
+    def read_into(self, out: np.ndarray, index: Index) -> None:
+        """`out[...] = self.read(index)`; nodes that can write straight into `out` skip the extra copy."""
+        out[...] = self.read(index)
 
     def entries(self) -> list[TensorEntry]:
         """The safetensors tensors this recipe reads from."""
@@ -242,21 +257,32 @@ class Source(Lazy):
         k = max((a for a, s in enumerate(fetch) if (s.start, s.stop) != (0, shape[a])), default=0)
         while k > 0:
             run = (fetch[k].stop - fetch[k].start) * math.prod(shape[k + 1:]) * itemsize
-            if run >= SMALL_RUN_BYTES or 4 * (fetch[k].stop - fetch[k].start) < shape[k]:
+            if run >= SMALL_RUN_BYTES or 4 * (fetch[k].stop - fetch[k].start) < 3 * shape[k]:
                 break
-            fetch[k] = slice(0, shape[k])  # widen to whole rows, sliced away below
+            fetch[k] = slice(0, shape[k])  # widen to whole rows (a quarter read in vain at most), cut below
             k = max((a for a in range(k) if (fetch[a].start, fetch[a].stop) != (0, shape[a])), default=0)
         out = np.empty(region_shape(fetch), self.dtype)
-        run_elems = (fetch[k].stop - fetch[k].start) * math.prod(shape[k + 1:])
-        flat = memoryview(out.reshape(-1).view(np.uint8))
-        strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
-        outer = [range(fetch[a].start, fetch[a].stop) for a in range(k)]
-        for n, position in enumerate(np.ndindex(*[len(r) for r in outer]) if k else [()]):
-            element = sum((outer[a][i]) * strides[a] for a, i in enumerate(position)) + fetch[k].start * strides[k]
-            run = flat[n * run_elems * itemsize:(n + 1) * run_elems * itemsize]
-            self.reads.pread_into(self.entry, run, self.entry.offset + element * itemsize)
+        run_bytes = (fetch[k].stop - fetch[k].start) * math.prod(shape[k + 1:]) * itemsize
+        strides = [math.prod(shape[a + 1:]) * itemsize for a in range(len(shape))]
+        offsets = np.asarray(self.entry.offset + fetch[k].start * strides[k], np.int64)
+        for a in range(k):  # the byte offset of every run, outer axes in order
+            offsets = np.add.outer(offsets, np.arange(fetch[a].start, fetch[a].stop, dtype=np.int64) * strides[a])
+        self.reads.pread_runs(self.entry, memoryview(out.reshape(-1).view(np.uint8)), offsets.reshape(-1).tolist(),
+                              run_bytes)
         inner = tuple(slice(i.start - f.start, i.stop - f.start) for i, f in zip(index, fetch))
         return out if tuple(fetch) == tuple(index) else np.ascontiguousarray(out[inner])
+
+
+    def read_into(self, out: np.ndarray, index: Index) -> None:
+        shape = self.shape
+        partial = [a for a, s in enumerate(index) if (s.start, s.stop) != (0, shape[a])]
+        contiguous = not partial or all(index[a].stop - index[a].start == 1 for a in partial[:-1])
+        if not (contiguous and out.flags.c_contiguous and out.dtype == self.dtype and shape):
+            out[...] = self.read(index)
+            return
+        start = sum(index[a].start * math.prod(shape[a + 1:]) for a in range(len(shape)))
+        self.reads.pread_into(self.entry, memoryview(out.reshape(-1).view(np.uint8)),
+                              self.entry.offset + start * self.dtype.itemsize)
 
 
 class Transpose(Lazy):
@@ -267,11 +293,17 @@ class Transpose(Lazy):
     def entries(self):
         return self.child.entries()
 
-    def read(self, index: Index) -> np.ndarray:
+    def _child_index(self, index: Index) -> Index:
         child_index = [None] * len(self.axes)
         for position, axis in enumerate(self.axes):
             child_index[axis] = index[position]
-        return np.ascontiguousarray(self.child.read(tuple(child_index)).transpose(self.axes))
+        return tuple(child_index)
+
+    def read(self, index: Index) -> np.ndarray:
+        return np.ascontiguousarray(self.child.read(self._child_index(index)).transpose(self.axes))
+
+    def read_into(self, out: np.ndarray, index: Index) -> None:
+        out[...] = self.child.read(self._child_index(index)).transpose(self.axes)
 
 
 class Slice(Lazy):
@@ -305,21 +337,26 @@ class Joined(Lazy):
         return [e for c in self.children for e in c.entries()]
 
     def read(self, index: Index) -> np.ndarray:
+        out = np.empty(region_shape(index), self.dtype)
+        self.read_into(out, index)
+        return out
+
+    def read_into(self, out: np.ndarray, index: Index) -> None:
         want = index[self.axis]
-        parts = []
         for child, begin, end in zip(self.children, self.offsets, self.offsets[1:]):
             lo, hi = max(want.start, begin), min(want.stop, end)
             if lo >= hi:
                 continue
-            rest = index[:self.axis] + index[self.axis + 1:]
+            target = (slice(None),) * self.axis + (lo - want.start if self.new_axis else slice(lo - want.start, hi - want.start),)
             if self.new_axis:
-                parts.append(child.read(rest).astype(self.dtype, copy=False))
+                sub = index[:self.axis] + index[self.axis + 1:]
             else:
                 sub = index[:self.axis] + (slice(lo - begin, hi - begin),) + index[self.axis + 1:]
-                parts.append(child.read(sub).astype(self.dtype, copy=False))
-        if not parts:
-            return np.zeros(region_shape(index), self.dtype)
-        return np.stack(parts, axis=self.axis) if self.new_axis else np.concatenate(parts, axis=self.axis)
+            view = out[target]
+            if child.dtype == self.dtype:
+                child.read_into(view, sub)
+            else:
+                view[...] = child.read(sub)
 
 
 class SplitAxis(Lazy):

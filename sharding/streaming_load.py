@@ -11,6 +11,7 @@ transpose and its concatenation) whatever the model's size. Progress goes to std
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import sys
@@ -129,51 +130,78 @@ def _cut(region: Index, axis: int, start: int, stop: int) -> Index:
     return region[:axis] + (slice(start, stop),) + region[axis + 1:]
 
 
-def _part_starts(placement: ParamPlacement, part, slab: Index, index: Index) -> np.ndarray:
-    """Where a slab lands in a part's local array: its offsets from the device's region, per axis, scaled on
-    the blocked axes (scales by their block, packed values by 2, the global scale not at all)."""
-    n = len(index)
-    starts = np.zeros(n, np.int32)
-    codec = placement.codec
+def _part_slice(placement: ParamPlacement, part, sub: Index, outer: Index) -> Index:
+    """The slice of a part's array of logical region `outer` that holds logical region `sub` (inside it):
+    scaled on the blocked axes (scales by their block, packed E2M1 values by 2, the global scale not there)."""
+    n, codec = len(outer), placement.codec
+    out = []
     for axis in range(n):
-        delta = slab[axis].start - index[axis].start
+        start, stop = sub[axis].start - outer[axis].start, sub[axis].stop - outer[axis].start
         if axis >= n - 2 and codec is not None and codec.values != "float":
             if part.name == "global":
-                delta = 0
+                start, stop = 0, 1
             elif part.name == "scales":
-                delta //= codec.block[axis - (n - 2)]
+                block, base = codec.block[axis - (n - 2)], outer[axis].start
+                start, stop = start // block, -(-sub[axis].stop // block) - base // block
             elif codec.packed and axis == n + codec.packed_axis:
-                delta //= 2
-        starts[axis] = delta
-    return starts
+                start, stop = start // 2, stop // 2
+        out.append(slice(start, stop))
+    return tuple(out)
 
 
-def _load_shard(placement: ParamPlacement, devices: list, piece_bytes: int) -> list[list]:
-    """The arrays of every part of one parameter on each of `devices`, which all hold the same region of it
-    (a replicated parameter's devices, say): each slab is read once and put on every one of them."""
-    index = logical_device_index(placement, devices[0])
-    slabs = _slabs(placement, index, piece_bytes)
+def _host_view(array) -> np.ndarray | None:
+    """A writable numpy view of a CPU device array's buffer, None on other platforms. A CPU device's memory is
+    the host's: a shard is written there slab by slab, with no host copy of it and no compiled update. Only
+    for buffers this loader just allocated and nothing has read yet."""
+    if next(iter(array.devices())).platform != "cpu" or array.nbytes == 0:
+        return None
+    raw = (ctypes.c_uint8 * array.nbytes).from_address(array.unsafe_buffer_pointer())
+    return np.frombuffer(raw, np.uint8).view(array.dtype).reshape(array.shape)
+
+
+def _load_group(placement: ParamPlacement, devices: list, piece_bytes: int) -> dict:
+    """`{device: [its array of each part]}` for one parameter over this process's `devices`: the bounding box
+    of their regions is read once, slab by slab (a TP split's devices share the rows of a tensor, a replicated
+    parameter's devices all of it), and each device's region is cut from it."""
+    regions = {d: logical_device_index(placement, d) for d in devices}
+    regions = {d: r for d, r in regions.items() if r is not None}
+    box = tuple(slice(min(r[a].start for r in regions.values()), max(r[a].stop for r in regions.values()))
+                for a in range(len(placement.shape)))
+    slabs = _slabs(placement, box, piece_bytes)
+    parts = placement.parts
     if len(slabs) == 1:
-        pieces = [_read(reads) for reads in placement.device_reads(index)]
-        return [[jax.device_put(piece, device) for piece in pieces] for device in devices]
-    shapes = [region_shape(_part_region(p, devices[0])) for p in placement.parts]
-    buffers = [[jax.device_put(np.zeros(shape, p.dtype), device) for shape, p in zip(shapes, placement.parts)]
-               for device in devices]
+        pieces = [_read(reads) for reads in placement.device_reads(box)]
+        return {d: [jax.device_put(np.ascontiguousarray(piece[_part_slice(placement, part, r, box)]), d)
+                    for part, piece in zip(parts, pieces)] for d, r in regions.items()}
+    held = {d: [jax.device_put(np.empty(region_shape(_part_slice(placement, part, r, r)), part.dtype), d)
+                for part in parts] for d, r in regions.items()}
+    views = {d: [_host_view(a) for a in arrays] for d, arrays in held.items()}
     for slab in slabs:
-        for k, (part, reads) in enumerate(zip(placement.parts, placement.device_reads(slab))):
-            piece, starts = _read(reads), _part_starts(placement, part, slab, index)
-            for held, device in zip(buffers, devices):
-                held[k] = _write(held[k], jax.device_put(piece, device), jax.device_put(starts, device))
-    return buffers
+        pieces = [_read(reads) for reads in placement.device_reads(slab)]
+        for d, r in regions.items():
+            inner = tuple(slice(max(a.start, b.start), min(a.stop, b.stop)) for a, b in zip(r, slab))
+            if any(s.start >= s.stop for s in inner):
+                continue
+            for k, (part, piece) in enumerate(zip(parts, pieces)):
+                cut, target = piece[_part_slice(placement, part, inner, slab)], _part_slice(placement, part, inner, r)
+                if views[d][k] is not None:
+                    views[d][k][target] = cut  # straight into the CPU device's buffer
+                else:
+                    starts = np.asarray([s.start for s in target], np.int32)
+                    held[d][k] = _write(held[d][k], jax.device_put(np.ascontiguousarray(cut), d),
+                                        jax.device_put(starts, d))
+    return held
 
 
-def _read_bytes(placement: ParamPlacement, group: list) -> int:
-    return placement.local_bytes(group[0])
-
-
-def _part_region(part, device) -> Index:
-    index = part.sharding.addressable_devices_indices_map(part.shape)[device]
-    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, part.shape))
+def _unique_bytes(plan: list, devices: list) -> int:
+    """Bytes this process reads: each parameter's box over its devices once."""
+    total = 0
+    for placement in plan:
+        regions = [r for r in (logical_device_index(placement, d) for d in devices) if r is not None]
+        if regions:
+            box = [max(r[a].stop for r in regions) - min(r[a].start for r in regions) for a in range(len(regions[0]))]
+            total += int(math.prod(box) * sum(p.nbytes for p in placement.parts) / max(math.prod(placement.shape), 1))
+    return total
 
 
 def load_params(cfg, recipes: dict, *, parallel=None, numerics: str = "fast", mesh=None, kv_bytes: int = 0,
@@ -190,31 +218,15 @@ def load_params(cfg, recipes: dict, *, parallel=None, numerics: str = "fast", me
     devices = list(mesh.local_devices) if sharded else [jax.devices()[0]]
     weights = {d: sum(p.local_bytes(d) for p in plan) for d in devices}
     check_memory(weights, kv_bytes, parallel.name if sharded else "one device", devices, quiet=not progress)
-    tasks = []  # (placement, the local devices holding one same region of it)
-    for placement in plan:
-        groups: dict = {}
-        for device in devices:
-            index = logical_device_index(placement, device)
-            if index is not None:
-                groups.setdefault(index, []).append(device)
-        tasks += [(placement, group) for group in groups.values()]
-    remaining = {id(p): sum(1 for q, _ in tasks if q is p) for p in plan}
-    meter = LoadProgress(len(plan), sum(_read_bytes(p, group) for p, group in tasks), progress)
-    shards: dict[int, dict] = {id(p): {} for p in plan}
-    lock = threading.Lock()
+    meter = LoadProgress(len(plan), _unique_bytes(plan, devices), progress)
+    shards: dict[int, dict] = {}
 
-    def run(task):
-        placement, group = task
-        arrays = _load_shard(placement, group, piece_bytes)
-        with lock:
-            shards[id(placement)].update(zip(group, arrays))
-            remaining[id(placement)] -= 1
-            finished = remaining[id(placement)] == 0
-        if finished:
-            meter.param_done()
+    def run(placement):
+        shards[id(placement)] = _load_group(placement, devices, piece_bytes)
+        meter.param_done()
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for _ in pool.map(run, tasks):
+        for _ in pool.map(run, plan):
             pass
     flat = []
     from agentjax.models.params import split_model
