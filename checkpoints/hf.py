@@ -63,6 +63,9 @@ def family_and_config(directory: str | Path) -> tuple[HFFamily, ModelConfig]:
     raw = read_config(directory)
     source = str(directory / "config.json")
     family = family_for(raw, source)
+    from checkpoints.quant_config import read_scheme
+
+    read_scheme(raw, directory)  # a malformed or unsupported quantization_config is named here
     try:
         cfg = family.model_config(ConfigFields(raw, source))
     except InvalidRequestError as exc:  # ModelConfig's own consistency checks

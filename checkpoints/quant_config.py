@@ -172,7 +172,8 @@ def parse_scheme(config: dict, source: str, expert_dtype: str | None = None) -> 
     if method in ("fp8", "deepseek_v4_fp8"):
         block = config.get("weight_block_size") or [128, 128]
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise ModelConfigError(f"{source}: quantization_config.weight_block_size is {block!r}; expected [rows, cols]")
+            raise ModelConfigError(f"{source}: field 'quantization_config.weight_block_size' is {block!r}; expected "
+                                   f"[rows, cols]")
         if config.get("activation_scheme", "dynamic") != "dynamic":
             raise UnsupportedModelError(f"{source}: FP8 activation_scheme {config['activation_scheme']!r} is not "
                                         f"supported (agentjax keeps activations in float; give a dynamic checkpoint)")
@@ -201,7 +202,7 @@ def parse_scheme(config: dict, source: str, expert_dtype: str | None = None) -> 
         groups = config.get("config_groups") or {}
         formats = {g.get("format", fmt) for g in groups.values() if isinstance(g, dict)} or {fmt}
         if formats == {None}:
-            raise ModelConfigError(f"{source}: quantization_config.format is missing; compressed-tensors "
+            raise ModelConfigError(f"{source}: field 'quantization_config.format' is missing; compressed-tensors "
                                    f"checkpoints name their format (mxfp4-pack-quantized)")
         if formats != {"mxfp4-pack-quantized"}:
             raise UnsupportedModelError(f"{source}: compressed-tensors format {sorted(map(str, formats))} is not "

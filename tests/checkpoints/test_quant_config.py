@@ -43,7 +43,7 @@ def test_each_published_scheme_is_read_by_its_vllm_name(config, method):
 @pytest.mark.parametrize("config, words", [
     ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
-    ({"quant_method": "compressed-tensors"}, "quantization_config.format is missing"),
+    ({"quant_method": "compressed-tensors"}, "'quantization_config.format' is missing"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "group_size"),
 ])
 def test_unsupported_or_malformed_configs_are_named(config, words):
