@@ -97,10 +97,31 @@ def _generate(directory: Path) -> tuple[list, np.ndarray]:
 
 
 @pytest.mark.slow  # two to three minutes a case on a 2-core CPU: four step compilations
-@pytest.mark.parametrize("family, fmt", [(f, m) for f in FAMILIES for m in FORMATS])
+@pytest.mark.parametrize("family, fmt", sorted(PUBLISHED))  # every format decodes exactly: the test above
 def test_greedy_tokens_and_prompt_logits_equal_the_float32_checkpoint(written, family, fmt):
     quantized, reference = written(family, fmt)
     tokens, logits = _generate(quantized)
     want_tokens, want_logits = _generate(reference)
     assert tokens == want_tokens
     assert np.abs(logits - want_logits).max() <= 1e-5
+
+
+def test_fp8_experts_reach_the_moe_kernel_undecoded_and_give_the_decoded_product():
+    import jax.numpy as jnp
+
+    from agentjax import kernels
+    from agentjax.models.quantized import grouped_operand
+    from checkpoints.quant_codecs import E4M3, Codec
+    from pallas_kernels.moe_grouped_matmul import Fp8Experts
+
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal((4, 64, 32)) * 8).astype(E4M3)
+    scales = rng.uniform(0.01, 0.1, (4, 4, 2)).astype(np.float32)
+    weight = StoredWeight(jnp.asarray(values), jnp.asarray(scales), codec=Codec("e4m3", "f32", (16, 16)))
+    operand = grouped_operand(weight)
+    assert isinstance(operand, Fp8Experts) and operand.values.dtype == E4M3
+    lhs = jnp.asarray(rng.standard_normal((24, 64)).astype(np.float32))
+    sizes = jnp.asarray([5, 0, 11, 8], jnp.int32)
+    got = kernels.grouped_matmul(lhs, operand, sizes, impl="kernel")  # interpret mode on a CPU
+    want = jax.lax.ragged_dot(lhs, weight[...], sizes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
