@@ -75,3 +75,16 @@ def test_weights_and_kv_that_do_not_fit_fail_with_the_numbers_before_any_read(nv
         load_params(cfg, recipes, parallel=EngineConfig(tensor_parallel_size=2).parallel, kv_bytes=10**15)
     assert READS.bytes_read == before and len(jax.live_arrays()) == arrays
     assert "does not fit" in capsys.readouterr().err
+
+
+def test_the_accelerator_path_writes_slabs_by_compiled_updates_to_the_same_values(nvfp4_dir, monkeypatch):
+    """Off a CPU a shard's slabs go into a zeroed device buffer by a donated dynamic_update_slice; forced here."""
+    import sharding.streaming_load as streaming
+
+    cfg, recipes, _ = load_hf(nvfp4_dir, expected_shapes, lazy=True)
+    parallel = EngineConfig(data_parallel_size=2, enable_expert_parallel=True).parallel
+    in_place = dict(nnx.to_flat_state(load_params(cfg, recipes, parallel=parallel, progress=False, piece_bytes=4096)))
+    monkeypatch.setattr(streaming, "_host_view", lambda array: None)
+    updated = dict(nnx.to_flat_state(load_params(cfg, recipes, parallel=parallel, progress=False, piece_bytes=4096)))
+    for path, variable in in_place.items():
+        np.testing.assert_array_equal(_host(updated[path].get_value()), _host(variable.get_value()))
