@@ -52,6 +52,10 @@ class ModelConfigError(ModelLoadError):
     """A model's config lacks a field the loader needs, or holds a value outside the allowed range."""
 
 
+class InsufficientMemoryError(ModelLoadError):
+    """The weights and KV pages of a layout do not fit the memory of the devices present."""
+
+
 class TensorMismatchError(ModelLoadError):
     """A checkpoint's tensors do not match the model: missing, wrongly shaped or unexpected ones."""
 

@@ -106,7 +106,7 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
         from sharding.distributed import initialize
 
         initialize(config)  # before any device is used
-    model_cfg, params, tokenizer = load_model(args.model)
+    model_cfg, params, tokenizer = load_model(args.model, quantization=config.quantization, engine_config=config)
     engine = make_engine(model_cfg, params, config, tokenizer)
     if config.num_processes > 1 and config.process_id != 0:
         return follow_driver(engine, config)
