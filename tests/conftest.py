@@ -93,16 +93,21 @@ def release_compiled_executables(request):
 # that two of them never run at once, and the longest files, which start first (longest first keeps
 # either worker from finishing long after the other).
 SHARED_WORKER = {
-    # one README server (session-scoped) per run, and one set of serve processes at a time
+    # The docs' commands (the longest file of the suite, mostly waiting on the servers and CLI processes
+    # it starts) run beside the other end-to-end files, each group with a README server of its own.
+    "tests/e2e/test_docs_commands.py": "tests/e2e/test_docs_commands.py",
+    # the other end-to-end files: one README server (session-scoped) for them all
     "tests/e2e/": "tests/e2e",
     # Gemma-3's 262k-token vocabulary: several GiB of logits and weights at a time
     "tests/models/test_logit_parity.py": "gemma3",
     "tests/test_engine_sliding_window.py": "gemma3",
 }
 START_FIRST = [
-    "tests/spec_decode/test_device_drafters.py", "tests/e2e", "tests/spec_decode/test_smollm2_speculative.py",
-    "tests/test_engine_speculative.py", "tests/test_engine.py", "gemma3", "tests/sharding/test_context_parallel.py",
+    "tests/e2e/test_docs_commands.py", "tests/spec_decode/test_device_drafters.py", "tests/e2e",
+    "tests/spec_decode/test_smollm2_speculative.py", "tests/test_engine_speculative.py", "tests/test_engine.py",
+    "gemma3", "tests/sharding/test_context_parallel.py", "tests/models/test_quantized.py",
     "tests/models/test_dsv4_attention.py", "tests/models/test_dsv4_parity.py", "tests/test_engine_offload.py",
+    "tests/test_engine_offload_faults.py",
 ]
 
 

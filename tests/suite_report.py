@@ -217,8 +217,8 @@ class SuiteReport:
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter):
-        if self.in_worker or not hasattr(self, "breaches"):
-            return
+        if self.in_worker or not hasattr(self, "breaches") or not self.records:
+            return  # a worker, or a run that ran no test (--collect-only)
         write = terminalreporter.write_line
         terminalreporter.section("suite report")
         header = f"{'wall s':>8} {'cpu s':>8} {'child s':>7} {'built':>6} {'loads':>5} {'compile s':>9} " \
