@@ -6,6 +6,10 @@ the costliest files. Either runs the suite itself or reads a report a run alread
     python scripts/suite_report_md.py                      # runs `bash scripts/bootstrap.sh test`, then writes
     python scripts/suite_report_md.py --report run.json    # a report from `... test --suite-report=run.json`
     python scripts/suite_report_md.py --command "bash scripts/bootstrap.sh quick"
+    python3 scripts/suite_report_md.py --benchmarks ../agentjax/BENCHMARKS.md   # from a fresh clone
+
+When it runs the command itself it says whether the set-up and the compile cache were there before
+(a fresh clone with a fresh HOME has neither).
 """
 from __future__ import annotations
 
@@ -47,10 +51,22 @@ def package_of(path: str) -> str:
     return parts[1] if len(parts) > 2 else "tests/ (top level)"
 
 
-def section(report: dict, command: str, command_wall_s: float | None) -> str:
+def starting_state() -> str:
+    """Whether the command found a set-up virtual environment and a filled XLA compile cache."""
+    venv = Path(os.environ.get("AGENTJAX_VENV", REPO / ".venv"))
+    setting = os.environ.get("AGENTJAX_XLA_CACHE", "")
+    cache = Path(setting) if setting else Path.home() / ".cache" / "agentjax" / "xla"
+    set_up = "an installed virtual environment" if (venv / ".agentjax-installed").exists() else "no virtual environment"
+    filled = cache.is_dir() and any(cache.iterdir())
+    return f"it started with {set_up} and {'a filled' if filled else 'an empty'} compile cache"
+
+
+def section(report: dict, command: str, command_wall_s: float | None, state: str | None = None) -> str:
     totals, files = report["totals"], report["files"]
     load0, load1 = totals["load_at_start"][0], totals["load_at_end"][0]
-    wall = f"{command_wall_s / 60:.1f} minutes for the command, set-up included; " if command_wall_s else ""
+    wall = ""
+    if command_wall_s:
+        wall = f"{command_wall_s / 60:.1f} minutes for the command, set-up included ({state}); "
     lines = [
         f"## Test suite (`{command}`)", "",
         f"Command: `{command}`; written by `python scripts/suite_report_md.py` from the suite report "
@@ -100,17 +116,20 @@ def main() -> None:
     parser.add_argument("--command", default="bash scripts/bootstrap.sh test",
                         help="the command that runs the suite (default: %(default)s)")
     parser.add_argument("--print", action="store_true", help="print the section instead of writing BENCHMARKS.md")
+    parser.add_argument("--benchmarks", type=Path, default=REPO / "BENCHMARKS.md",
+                        help="the BENCHMARKS.md to write (default: this checkout's)")
     args = parser.parse_args()
-    command_wall_s = None
+    command_wall_s = state = None
     report_path = args.report
     if report_path is None:
         report_path = Path(tempfile.mkdtemp()) / "suite-report.json"
+        state = starting_state()
         command_wall_s = run_suite(args.command.split(), report_path)
-    body = section(json.loads(report_path.read_text()), args.command, command_wall_s)
+    body = section(json.loads(report_path.read_text()), args.command, command_wall_s, state)
     if args.print:
         print(body)
     else:
-        write_section(body)
+        write_section(body, args.benchmarks)
 
 
 if __name__ == "__main__":
