@@ -64,13 +64,14 @@ def starting_state() -> str:
 def section(report: dict, command: str, command_wall_s: float | None, state: str | None = None) -> str:
     totals, files = report["totals"], report["files"]
     load0, load1 = totals["load_at_start"][0], totals["load_at_end"][0]
+    started = datetime.datetime.fromtimestamp(totals.get("started_at", time.time()), datetime.UTC)
     wall = ""
     if command_wall_s:
         wall = f"{command_wall_s / 60:.1f} minutes for the command, set-up included ({state}); "
     lines = [
         f"## Test suite (`{command}`)", "",
         f"Command: `{command}`; written by `python scripts/suite_report_md.py` from the suite report "
-        f"(tests/suite_report.py, `--suite-report=PATH`). {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"(tests/suite_report.py, `--suite-report=PATH`); the run started {started:%Y-%m-%d %H:%M} UTC, "
         f"{platform.machine()}, {totals['cpus']} CPU cores, {memory_gb():.0f} GiB; load average {load0:.1f} at the "
         f"start and {load1:.1f} at the end (wall times grow with the load; CPU seconds and compile counts do not).",
         "",

@@ -205,7 +205,7 @@ class SuiteReport:
         tests = sum(1 for record in self.records if not record["nodeid"].startswith("(session teardown)"))
         return total.as_dict() | {"tests": tests, "run_wall_s": self.finished_at - self.started_at,
                                   "load_at_start": self.load_at_start, "load_at_end": self.load_at_end,
-                                  "cpus": os.cpu_count()}
+                                  "cpus": os.cpu_count(), "started_at": self.started_at}
 
     def as_json(self) -> dict:
         return {"totals": self.totals(), "processes": self.processes, "files": self.files(),
