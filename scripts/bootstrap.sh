@@ -117,12 +117,12 @@ else
 fi
 
 shift || true
+if [ "$cmd" = quick ]; then
+    set -- -m "not slow" "$@"  # the quick tier: every test not marked slow
+fi
 if [ "$cmd" = test ] || [ "$cmd" = quick ]; then note "4/4 running the test suite ($cmd): pytest $*"; else note "4/4 running: agentjax $cmd $*"; fi
 case "$cmd" in
     test | quick)
-        if [ "$cmd" = quick ]; then
-            set -- -m "not slow" "$@"
-        fi
         export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
         # AGENTJAX_TEST_WORKERS pytest-xdist processes (default 2; 1 runs in this process), each
         # taking whole files so module fixtures stay in one process. A worker that dies fails the
