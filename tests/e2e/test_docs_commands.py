@@ -6,7 +6,9 @@ Blocks run from a sandbox that looks like the repository root (the packages, tes
 outputs they write (r.json, plan/, sweep/) stay out of the checkout. Blocks that talk to
 127.0.0.1:8000 run against the README's main server (shared with test_readme.py), on its port. A page's
 Python blocks run in order in one process, sharing names, as in a notebook. Inline `agentjax ...`
-commands are parsed by the CLI's parser.
+commands are parsed by the CLI's parser. Replays and sweeps run with `--duration` cut to
+`DOCS_DURATION_S` (every other flag as written): the block's flags are what is checked, and a full
+duration only spends the suite's time sending more of the same turns.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from tests.e2e.conftest import REPO, free_port, installed_venv, readme_main_comm
 
 TRACES_PARENT = Path(os.environ["AGENTJAX_TRACES"]).parent if os.environ.get("AGENTJAX_TRACES") else REPO.parent / "shared"
 MAIN_PORT = "127.0.0.1:8000"
+DOCS_DURATION_S = 3  # at most this --duration in the blocks the tests run (real or simulated seconds)
 
 # (page, a line of the block, how it runs). Runs: "main server" (the README's main command, which
 # main_server starts), "server shell" and "server python" (against the main server, port replaced),
@@ -139,12 +142,25 @@ def run_bash(code: str, cwd: Path, env: dict, timeout: float) -> subprocess.Comp
     return result
 
 
+def short_durations(code: str) -> str:
+    """The block with every `--duration N` above DOCS_DURATION_S cut to DOCS_DURATION_S."""
+    def cut(match: re.Match) -> str:
+        return f"--duration {min(float(match.group(1)), DOCS_DURATION_S):g}"
+    return re.sub(r"--duration[ =]([0-9.]+)", cut, code)
+
+
 def needs_traces(code: str) -> None:
     if "../shared/traces" in code and not TRACES_PARENT.is_dir():
         pytest.skip(f"the dev traces are not at {TRACES_PARENT} (set AGENTJAX_TRACES)")
 
 
 # ---------------------------------------------------------------- the runs
+
+def test_short_durations_cut_only_the_duration():
+    code = "agentjax bench agentx --lanes 2 --duration 20 \\\n    --out r.json; sweep --duration=60 --x 1 --duration 2"
+    assert short_durations(code) == f"agentjax bench agentx --lanes 2 --duration {DOCS_DURATION_S} \\\n" \
+        f"    --out r.json; sweep --duration {DOCS_DURATION_S} --x 1 --duration 2"
+
 
 def test_the_main_server_is_the_readme_command():
     (block,) = blocks_run_by("main server")
@@ -156,7 +172,8 @@ def test_the_main_server_is_the_readme_command():
 def test_server_shell_blocks(block, main_server, sandbox):
     work, env = sandbox
     needs_traces(block.code)
-    result = run_bash(block.code.replace(MAIN_PORT, f"127.0.0.1:{main_server.port}"), work, env, timeout=600)
+    code = short_durations(block.code.replace(MAIN_PORT, f"127.0.0.1:{main_server.port}"))
+    result = run_bash(code, work, env, timeout=600)
     if block.code.startswith("curl"):
         reply = json.loads(result.stdout)
         assert "error" not in reply and (reply.get("choices") or reply.get("content")), reply
@@ -188,7 +205,7 @@ def test_python_blocks(page, sandbox):
 def test_cli_blocks(block, sandbox):
     work, env = sandbox
     needs_traces(block.code)
-    run_bash(block.code, work, env, timeout=900)
+    run_bash(short_durations(block.code), work, env, timeout=900)
     if "gen_docs_reference.py" in block.code:  # it rewrote the sandbox's copies: the same as the checkout's
         for name in GENERATED:
             assert (work / "docs" / name).read_text() == (REPO / "docs" / name).read_text(), name
