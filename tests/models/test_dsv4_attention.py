@@ -37,6 +37,9 @@ def make_cfg(layer_type: str, *, window: int = 8, csa_rate: int = 4, hca_rate: i
         dtype="float32", name=f"dsv4-{layer_type}")
 
 
+_RUNS: dict[ModelConfig, object] = {}
+
+
 class PagedLayer:
     """One mixer over its own KV buffers; every sequence holds its own pages in every group, drawn
     from a shuffled pool so that the groups' tables differ."""
@@ -68,15 +71,19 @@ class PagedLayer:
         self.inputs[name] = inputs
         self.tables[name] = [[int(self.free.pop()) for _ in range(num_pages)] for _ in range(max(self.groups.values()) + 1)]
 
-    @functools.cached_property
+    @property
     def _run(self):
-        graphdef = self.graphdef
+        # One jitted function per config, shared by every layer of that config: a layer built again (other
+        # pages, other page size) reuses the traces and executables of the step shapes already run.
+        if self.cfg not in _RUNS:
+            graphdef = self.graphdef
 
-        @functools.partial(jax.jit, static_argnames=("numerics",))
-        def run(state, x, kv, batch, slots, numerics):
-            return nnx.merge(graphdef, state)(x, kv, batch, numerics, slots)
+            @functools.partial(jax.jit, static_argnames=("numerics",))
+            def run(state, x, kv, batch, slots, numerics):
+                return nnx.merge(graphdef, state)(x, kv, batch, numerics, slots)
 
-        return run
+            _RUNS[self.cfg] = run
+        return _RUNS[self.cfg]
 
     def step(self, rows: list[tuple[str, int, int]], numerics: str = "fast") -> dict[str, dict[int, np.ndarray]]:
         """Run `(sequence, first position, token count)` rows as one ragged step; outputs by position."""
