@@ -104,12 +104,14 @@ def test_kernels_match_the_references_on_a_mixed_batch(seed):
 @pytest.mark.parametrize("page_size,ratio", [(4, 4), (16, 4), (32, 16)],
                          ids=["one_entry_per_page", "four_per_page", "hca_rate_16"])
 def test_kernels_cross_page_boundaries(page_size, ratio):
+    # The "selected" and "dense" modes read the window pages as "window" does, and the entry pages too.
     _compare([(3, page_size - 1), (1, 2 * page_size), (5, 3 * page_size + 1), (1, 5 * page_size - 1)],
-             page_size=page_size, ratio=ratio, topk=4, seed=page_size + ratio)
+             page_size=page_size, ratio=ratio, topk=4, seed=page_size + ratio, modes=("selected", "dense"))
 
 
 def test_top_k_larger_than_the_ended_entries_pads_with_minus_one():
-    selected = np.asarray(_compare([(1, 2), (6, 0), (1, 21), (2, 40)], topk=20, seed=3))
+    # Only the "selected" mode reads the selection (the -1 padding included).
+    selected = np.asarray(_compare([(1, 2), (6, 0), (1, 21), (2, 40)], topk=20, seed=3, modes=("selected",)))
     assert (selected == -1).any() and (selected >= 0).any()
 
 
@@ -125,8 +127,8 @@ def test_score_ties_go_to_the_lower_entry_as_in_the_reference():
         keys[1, table[entry // 2], entry % 2] = keys[1, table[0], 0]
     data = dict(data, index_q=jnp.asarray(q), key_pages=jnp.asarray(keys))
     options = dict(ratio=4, topk=5, sm_scale=0.3)
-    want = _select(reference.indexer_topk, batch, data, **options)
-    got = _select(indexer.indexer_topk_kernel, batch, data, interpret=True, **options)
+    want = jax.jit(functools.partial(_select, reference.indexer_topk, **options))(batch, data)
+    got = jax.jit(functools.partial(_select, indexer.indexer_topk_kernel, interpret=True, **options))(batch, data)
     assert np.asarray(want[:4]).tolist() == [[0, 1, 2, 3, 4]] * 4
     np.testing.assert_array_equal(np.asarray(got[:4]), np.asarray(want[:4]))
 
@@ -147,10 +149,11 @@ def test_batch_invariant_numerics_score_one_token_per_work_item():
 
 def test_kernels_in_bfloat16_stay_within_bfloat16_rounding():
     batch, data = _step(MIXED_ROWS, page_size=8, ratio=4, seed=7, dtype=jnp.bfloat16)
-    selected = _select(reference.indexer_topk, batch, data, ratio=4, topk=3, sm_scale=0.3)
-    want = _attend(reference.sliding_compressed_attention, batch, data, "selected", selected, ratio=4, window=6)
-    got = _attend(attention.sliding_compressed_attention_kernel, batch, data, "selected", selected, ratio=4, window=6,
-                  interpret=True)
+    selected = jax.jit(functools.partial(_select, reference.indexer_topk, ratio=4, topk=3, sm_scale=0.3))(batch, data)
+    attend = functools.partial(_attend, mode="selected", ratio=4, window=6)
+    want = jax.jit(functools.partial(attend, reference.sliding_compressed_attention))(batch, data, selected=selected)
+    got = jax.jit(functools.partial(attend, attention.sliding_compressed_attention_kernel, interpret=True))(
+        batch, data, selected=selected)
     real = int(batch.cu_q_lens[-1])
     np.testing.assert_allclose(np.asarray(got[:real], np.float32), np.asarray(want[:real], np.float32), atol=3e-2)
 
@@ -161,7 +164,8 @@ def test_kernels_on_decodes_beside_a_500_token_prefill_chunk():
 
 
 def test_work_items_follow_runs_of_one_sequence():
-    start, count = indexer.seq_runs(jnp.asarray([0, 0, 0, 1, 2, 2, 2, 2, 2, 3, 3, 3], jnp.int32), 2)
+    start, count = jax.jit(indexer.seq_runs, static_argnums=1)(
+        jnp.asarray([0, 0, 0, 1, 2, 2, 2, 2, 2, 3, 3, 3], jnp.int32), 2)
     items = [(int(s), int(c)) for s, c in zip(start, count) if c > 0]
     assert items == [(0, 2), (2, 1), (3, 1), (4, 2), (6, 2), (8, 1), (9, 2), (11, 1)]
 
