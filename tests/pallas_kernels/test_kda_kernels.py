@@ -91,8 +91,9 @@ def test_a_500_token_prefill_chunk_beside_decodes():
 
 def test_batch_invariant_numerics_keep_the_reference():
     batch, inputs = _step([(5, 0), (1, 3)], heads=2, dim=8, seed=6)
-    want = _call(kda.kimi_delta_attention, batch, inputs, num_heads=2, head_dim=8, batch_invariant=True)
-    got = _call(kimi_delta_attention_kernel, batch, inputs, num_heads=2, head_dim=8, batch_invariant=True)
+    options = dict(num_heads=2, head_dim=8, batch_invariant=True)
+    want = jax.jit(functools.partial(_call, kda.kimi_delta_attention, **options))(batch, inputs)
+    got = jax.jit(functools.partial(_call, kimi_delta_attention_kernel, **options))(batch, inputs)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

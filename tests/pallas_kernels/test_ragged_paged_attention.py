@@ -1,6 +1,8 @@
 """The ragged paged attention reference against dense causal attention, on random data."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,10 +101,11 @@ def test_soft_cap_sinks_and_lse_match_a_dense_float64_softmax():
     kv = jnp.zeros((1, 5, page_size, 2 * hk, dim), jnp.float32)
     pad = batch.num_tokens - n
     padded = [jnp.asarray(np.pad(x, ((0, pad), (0, 0), (0, 0)))) for x in (q, k, v)]
-    out, _, lse = ragged_paged_attention(
-        *padded, kv, batch.kv_lens, batch.page_indices[0], batch.cu_q_lens, layer=0, token_seq_ids=batch.seq_ids,
-        token_positions=batch.positions, slot_mapping=batch.slot_mapping[0], sm_scale=dim**-0.5,
-        sliding_window=window, soft_cap=cap, sinks=jnp.asarray(sinks), return_lse=True,
+    attention = jax.jit(functools.partial(ragged_paged_attention, layer=0, sm_scale=dim**-0.5, sliding_window=window,
+                                          soft_cap=cap, return_lse=True))
+    out, _, lse = attention(
+        *padded, kv, batch.kv_lens, batch.page_indices[0], batch.cu_q_lens, token_seq_ids=batch.seq_ids,
+        token_positions=batch.positions, slot_mapping=batch.slot_mapping[0], sinks=jnp.asarray(sinks),
     )
     kr, vr = np.repeat(k, hq // hk, 1).astype(np.float64), np.repeat(v, hq // hk, 1).astype(np.float64)
     s = np.einsum("qhd,khd->hqk", q.astype(np.float64), kr) * dim**-0.5
