@@ -112,7 +112,7 @@ def test_kernel_on_decodes_beside_a_500_token_prefill_chunk(seed):
 
 def test_work_items_cover_every_real_token_once():
     cu_q_lens = jnp.array([0, 1, 9, 9, 30, 30, 30], jnp.int32)
-    seq, start, count = map(np.asarray, work_items(cu_q_lens, 32, 4))
+    seq, start, count = map(np.asarray, jax.jit(work_items, static_argnums=(1, 2))(cu_q_lens, 32, 4))
     covered = np.zeros(32, int)
     for s, a, c in zip(seq, start, count):
         covered[a:a + c] += 1
@@ -136,7 +136,7 @@ def test_merge_of_split_partials_equals_attention_over_all_keys():
         weights = np.exp(s - s.max(1, keepdims=True))
         outs.append(weights @ values[part] / weights.sum(1, keepdims=True))
         lses.append(np.log(np.exp(s).sum(1)))
-    out, lse = merge_attention_partials(jnp.asarray(np.stack(outs)[:, :, None], jnp.float32),
+    out, lse = jax.jit(merge_attention_partials)(jnp.asarray(np.stack(outs)[:, :, None], jnp.float32),
                                         jnp.asarray(np.stack(lses)[:, :, None], jnp.float32))
     full = np.exp(scores) / np.exp(scores).sum(1, keepdims=True)
     np.testing.assert_allclose(np.asarray(out)[:, 0], full @ values, atol=1e-5)
