@@ -87,7 +87,8 @@ def draw_deepseek_v4(rng: random.Random) -> dict:
 
 def draw_kimi_linear(rng: random.Random) -> dict:
     layers = rng.randint(2, 5)
-    full = sorted(rng.sample(range(1, layers + 1), rng.randint(0, layers)))
+    # at least one MLA layer: transformers' generate cannot run a KDA-only model (its cache has no length)
+    full = sorted(rng.sample(range(1, layers + 1), rng.randint(1, layers)))
     heads = rng.choice([1, 2, 3, 4])
     experts = rng.choice([4, 8, 16])
     groups = rng.choice([g for g in (1, 2, 4) if experts // g >= 2])
