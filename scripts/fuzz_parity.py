@@ -158,8 +158,8 @@ def run_one(d: configs.Draw, worker: Worker, work: Path) -> dict:
     reply = worker.ask({"op": "run", "model": str(directory), "prompt": prompt.tolist(), "new_tokens": NEW_TOKENS,
                         "chunk": d.chunk, "score": score})
     if not reply["ok"]:
-        if reply["kind"] == "rejected":
-            return {"excluded": "agentjax: " + reply["error"].splitlines()[0][:160]}
+        if reply["kind"] == "rejected":  # the checkpoint's path left out, so equal reasons count together
+            return {"excluded": "agentjax: " + reply["error"].replace(str(directory), "<checkpoint>").splitlines()[0][:160]}
         return {"verdict": "error", "error": reply["error"], "traceback": reply.get("traceback", ""),
                 "checkpoint": str(directory)}
     row = judge(d, ref, stable, reply, dict(np.load(reply["scored"])))

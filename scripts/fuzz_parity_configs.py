@@ -20,6 +20,13 @@ import dsv4_fixtures
 import make_model_fixtures
 
 FAMILIES = ("deepseek-v4", "kimi-linear", "minimax-m3")
+# Fuzzed configs that exposed a bug, kept as test fixtures (scripts/make_model_fixtures.py writes them to
+# tests/models/data/<name>): name -> (family, config seed).
+FIXTURES = {
+    "fuzz-deepseek-v4-0": ("deepseek-v4", 0),  # norm_topk_prob=false (transformers renormalises anyway)
+    "fuzz-kimi-linear-3": ("kimi-linear", 3),  # tie_word_embeddings=true (never tied) and no shared experts
+    "fuzz-minimax-m3-1": ("minimax-m3", 1),  # YaRN RoPE (the loader refused it)
+}
 DSV4_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 

@@ -56,6 +56,26 @@ class IndexerTies:
             handle.remove()
 
 
+def greedy_generate(model, prompt: torch.Tensor, new_tokens: int):
+    """transformers' cached greedy `generate` of exactly `new_tokens` tokens, logits kept. A config's
+    bos/eos ids reach generate through the model's generation_config (a None in the one passed means
+    "the model's"), so they are cleared there for the call: the reference never stops at an eos."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, use_cache=True)
+    defaults = model.generation_config
+    saved = {k: getattr(defaults, k, None) for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
+    for key in saved:
+        setattr(defaults, key, None)
+    try:
+        # No pad token and an explicit all-ones mask: generate must not mistake a prompt token for padding.
+        return model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], generation_config=config)
+    finally:
+        for key, value in saved.items():
+            setattr(defaults, key, value)
+
+
 @contextlib.contextmanager
 def stable_indexer_topk():
     """DeepSeek-V4's indexer picks its top-k with ties broken toward the lower entry (a stable sort)."""
@@ -85,15 +105,11 @@ def stable_indexer_topk():
 def reference(model, prompt: torch.Tensor, new_tokens: int, count_ties: bool = False) -> dict:
     """transformers' outputs for `prompt` (see the module docstring); `ties` lists the (call, position)
     rows with an indexer boundary tie when `count_ties`."""
-    from transformers import GenerationConfig
-
     ties = IndexerTies(model) if count_ties else None
     length = prompt.numel()
     if ties is not None:
         ties.phase = "prompt"
     prompt_logits = model(input_ids=prompt[None], use_cache=False).logits[0].float()
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=None,
-                              bos_token_id=None, output_logits=True, return_dict_in_generate=True, use_cache=True)
     original, forwards = model.forward, []
 
     def counted(*args, **kwargs):  # generate's first forward is the prefill, then one token a forward
@@ -104,7 +120,7 @@ def reference(model, prompt: torch.Tensor, new_tokens: int, count_ties: bool = F
 
     model.forward = counted
     try:
-        out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], generation_config=config)
+        out = greedy_generate(model, prompt, new_tokens)
     finally:
         model.forward = original
     generated = out.sequences[0, length:]
