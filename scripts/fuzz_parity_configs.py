@@ -23,9 +23,9 @@ FAMILIES = ("deepseek-v4", "kimi-linear", "minimax-m3")
 # Fuzzed configs that exposed a bug, kept as test fixtures (scripts/make_model_fixtures.py writes them to
 # tests/models/data/<name>): name -> (family, config seed).
 FIXTURES = {
-    "fuzz-deepseek-v4-0": ("deepseek-v4", 0),  # norm_topk_prob=false (transformers renormalises anyway)
+    "fuzz-deepseek-v4-41": ("deepseek-v4", 41),  # norm_topk_prob=false (transformers renormalises anyway)
     "fuzz-kimi-linear-3": ("kimi-linear", 3),  # tie_word_embeddings=true (never tied) and no shared experts
-    "fuzz-minimax-m3-1": ("minimax-m3", 1),  # YaRN RoPE (the loader refused it)
+    "fuzz-minimax-m3-7": ("minimax-m3", 7),  # YaRN RoPE (the loader refused it)
 }
 DSV4_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -69,6 +69,7 @@ def draw_deepseek_v4(rng: random.Random) -> dict:
     kinds = [rng.choice(DSV4_KINDS) for _ in range(layers)]
     heads = rng.choice([2, 4, 6, 8])
     head_dim = rng.choice([16, 32, 64])
+    rotary = rng.choice([0.25, 0.5])
     experts = rng.choice([4, 8, 16])
     hashed = rng.randint(0, min(3, layers))
     return dict(
@@ -77,10 +78,11 @@ def draw_deepseek_v4(rng: random.Random) -> dict:
                         "heavily_compressed_attention": rng.choice([8, 16, 32, 64])},
         mlp_layer_types=["hash_moe"] * hashed + ["moe"] * (layers - hashed),
         num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
-        partial_rotary_factor=rng.choice([0.25, 0.5]), q_lora_rank=rng.choice([16, 32, 48]),
+        partial_rotary_factor=rotary, q_lora_rank=rng.choice([16, 32, 48]),
         o_groups=rng.choice([g for g in (1, 2, 3, 4) if heads % g == 0]), o_lora_rank=rng.choice([8, 16, 32]),
         sliding_window=rng.choice([4, 8, 16, 32, 64]), index_n_heads=rng.choice([1, 2, 4, 8]),
-        index_head_dim=rng.choice([8, 16, 32]), index_topk=rng.randint(1, 16),
+        # the indexer rotates its last rotary channels: its heads are at least that wide
+        index_head_dim=rng.choice([d for d in (8, 16, 32) if d >= head_dim * rotary]), index_topk=rng.randint(1, 16),
         n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=rng.randint(1, min(4, experts)),
         moe_intermediate_size=rng.choice([8, 16, 32]), scoring_func=rng.choice(["sqrtsoftplus", "sigmoid"]),
         norm_topk_prob=rng.random() < 0.8, routed_scaling_factor=rng.choice([1.0, 1.5, 2.5]),
@@ -123,6 +125,7 @@ def draw_kimi_linear(rng: random.Random) -> dict:
 def draw_minimax_m3(rng: random.Random) -> dict:
     layers = rng.randint(2, 5)
     kv_heads = rng.choice([1, 2])
+    heads = kv_heads * rng.choice([1, 2, 3])
     head_dim = rng.choice([16, 32, 64])
     factor = rng.choice([0.25, 0.5, 1.0])
     topk = rng.randint(1, 6)
@@ -130,13 +133,14 @@ def draw_minimax_m3(rng: random.Random) -> dict:
     if rng.random() < 0.3:
         rope.update(_yarn(rng))
     return dict(
-        hidden_size=rng.choice([32, 48, 64]), num_hidden_layers=layers, num_attention_heads=kv_heads * rng.choice([1, 2, 3]),
+        hidden_size=rng.choice([32, 48, 64]), num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=head_dim, rotary_dim=int(head_dim * factor), rope_parameters=rope,
         intermediate_size=rng.choice([16, 32]), shared_intermediate_size=rng.choice([16, 32, 48]),
         dense_intermediate_size=rng.choice([32, 64, 128]), num_local_experts=rng.choice([4, 8, 16]),
         num_experts_per_tok=rng.randint(1, 4), routed_scaling_factor=rng.choice([1.0, 2.0]),
         swiglu_alpha=rng.choice([1.5, 1.702]), swiglu_limit=rng.choice([1.0, 2.0, 7.0]),
-        index_n_heads=rng.choice([1, 2, 4]), index_head_dim=rng.choice([16, 32]),
+        # transformers spreads each indexer head's block choice over heads // index_n_heads query heads
+        index_n_heads=rng.choice([i for i in (1, 2, 4) if heads % i == 0]), index_head_dim=rng.choice([16, 32]),
         index_block_size=rng.choice([4, 8, 16, 32]), index_topk_blocks=topk,
         index_local_blocks=rng.randint(0, min(2, topk)),
         layer_types=[rng.choice(["full_attention", "minimax_m3_sparse"]) for _ in range(layers)],

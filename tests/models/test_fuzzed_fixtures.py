@@ -4,15 +4,15 @@ transformers 5.24.0 without torch.
 tests/models/data/fuzz-<family>-<seed> are the fuzzer's own draws (scripts/fuzz_parity_configs.py
 FIXTURES; written by scripts/make_model_fixtures.py with its weights and prompt), each with what broke:
 
-- fuzz-deepseek-v4-0: `norm_topk_prob: false`. transformers' DeepSeek-V4 routers renormalise the chosen
-  experts' weights whatever the field says; agentjax read it and left them unnormalised (tokens parted at
-  step 3, prompt logits 0.8 apart).
+- fuzz-deepseek-v4-41: `norm_topk_prob: false`. transformers' DeepSeek-V4 routers renormalise the chosen
+  experts' weights whatever the field says; agentjax read it and left them unnormalised (on the first
+  config found this way, tokens parted at step 3 and prompt logits were 0.8 apart).
 - fuzz-kimi-linear-3: `tie_word_embeddings: true` and `num_shared_experts: 0`. transformers'
   KimiLinearForCausalLM never ties its head (its lm_head.weight is its own tensor); agentjax used the
   embeddings (logits 2-5 apart from the first token). And transformers saves zero-width shared-expert
   tensors, which agentjax's loader refused as unexpected.
-- fuzz-minimax-m3-1: YaRN RoPE (factor 8, original context 256, partial rotary 0.25), which agentjax's
-  loader refused for MiniMax-M3 (the generic RoPE path knew default, linear and llama3 only).
+- fuzz-minimax-m3-7: YaRN RoPE (factor 4, original context 64), which agentjax's loader refused for
+  MiniMax-M3 (the generic RoPE path knew default, linear and llama3 only).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
 DATA = Path(__file__).parent / "data"
-FIXTURES = ("fuzz-deepseek-v4-0", "fuzz-kimi-linear-3", "fuzz-minimax-m3-1")
+FIXTURES = ("fuzz-deepseek-v4-41", "fuzz-kimi-linear-3", "fuzz-minimax-m3-7")
 MIN_MARGIN = 2e-3
 TOLERANCE = 1e-4
 
@@ -67,13 +67,13 @@ def _teacher_forced(name: str) -> np.ndarray:
 
 
 def test_the_fixtures_carry_the_traits_that_broke():
-    dsv4, kimi = _raw_config("fuzz-deepseek-v4-0"), _raw_config("fuzz-kimi-linear-3")
-    assert dsv4["norm_topk_prob"] is False and _model("fuzz-deepseek-v4-0")[0].moe.renormalize
+    dsv4, kimi = _raw_config("fuzz-deepseek-v4-41"), _raw_config("fuzz-kimi-linear-3")
+    assert dsv4["norm_topk_prob"] is False and _model("fuzz-deepseek-v4-41")[0].moe.renormalize
     assert kimi["tie_word_embeddings"] is True and kimi["num_shared_experts"] == 0
     cfg, params, _ = _model("fuzz-kimi-linear-3")
     assert not cfg.tie_word_embeddings and not cfg.moe.num_shared_experts and "lm_head" in params
-    minimax = _model("fuzz-minimax-m3-1")[0]
-    assert minimax.rope_scaling.kind == "yarn" and minimax.rope_scaling.original_max_position_embeddings == 256
+    minimax = _model("fuzz-minimax-m3-7")[0]
+    assert minimax.rope_scaling.kind == "yarn" and minimax.rope_scaling.original_max_position_embeddings == 64
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -88,12 +88,9 @@ def test_prompt_and_step_logits_match_transformers(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FIXTURES)
 def test_greedy_tokens_equal_transformers_through_llm(name):
-    """Equal up to transformers' first near-tie (fuzz-minimax-m3-1: step 9, margin 0.0018; after it the
-    continuations may rightly part); the other two have none in their 24 steps."""
     ref = _reference(name)
     comparable = (ref["generated_margins"] >= MIN_MARGIN) & ref["cached_uncached_agree"]
-    steps = int(np.argmin(comparable)) if not comparable.all() else len(comparable)
-    assert steps >= 9
+    assert comparable.all()  # the fixtures' prompts leave no near-tie in the 24 steps
     llm = LLM(model=str(DATA / name), num_kv_blocks=64, block_size=_page(_model(name)[0]), numerics="batch_invariant")
     out = llm.generate([ref["prompt_ids"].tolist()], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 24 and list(out.token_ids)[:steps] == ref["generated_ids"][:steps].tolist()
+    assert list(out.token_ids) == ref["generated_ids"].tolist()
