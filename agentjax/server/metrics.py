@@ -61,10 +61,24 @@ class _EngineCollector:
         for name, help_text, key in ENGINE_COUNTERS:
             value = stats.get(key, self.server_counts.get(key, 0))
             yield CounterMetricFamily(name, help_text, value=float(value))
+        yield cached_blocks_by_group(stats)
         if "kv_offload" in stats:
             yield from offload_metrics(stats["kv_offload"])
         if "spec_decode" in stats:
             yield from spec_decode_metrics(stats["spec_decode"])
+
+
+def cached_blocks_by_group(stats: dict) -> GaugeMetricFamily:
+    """`agentjax:kv_cached_blocks{group,kind}` (a data-parallel engine's ranks summed)."""
+    family = GaugeMetricFamily("agentjax:kv_cached_blocks", "Cached KV pages a prefix hit can reuse, per KV group "
+                               "(the groups share one pool).", labels=["group", "kind"])
+    totals: dict[tuple[str, str], float] = {}
+    for rank in stats.get("ranks", [stats]):
+        for group, kind, count in rank.get("kv_cached_blocks_by_group", ()):
+            totals[(str(group), kind)] = totals.get((str(group), kind), 0.0) + count
+    for labels, value in totals.items():
+        family.add_metric(list(labels), value)
+    return family
 
 
 # (metric name, help, key in Engine.stats()["spec_decode"]): vLLM's spec_decode_* counters
