@@ -12,7 +12,7 @@ from benchmarks_md import BENCHMARKS, write_section
 PASSING = ("match", "near-tie", "hf-paths-part", "indexer-tie")
 LOGIT_TOLERANCE = 1e-4
 SECTION = "## Parity fuzzing against transformers 5.24.0 (issue 36)"
-TABLE_HEADER = ("| family | seed | minutes | configs tried | excluded | passed (match / near-tie / hf-paths-part / "
+TABLE_HEADER = ("| family | seed | budget | minutes | configs tried | excluded | passed (match / near-tie / hf-paths-part / "
                 "indexer-tie) | failing | prompt logits > 1e-4 | max prompt logit diff | load avg (start / max / end) "
                 "| date (UTC) |")
 
@@ -93,7 +93,8 @@ def markdown(summary: dict, rows: list[dict], excluded: Counter) -> str:
 def add_to_benchmarks(summary: dict) -> None:
     """Add (or replace) this family and seed's row in BENCHMARKS.md's fuzzing section."""
     v = summary["verdicts"]
-    row = (f"| {summary['family']} | {summary['seed']} | {summary['minutes']} | {summary['tried']} | "
+    row = (f"| {summary['family']} | {summary['seed']} | {summary['budget_minutes']:g} | {summary['minutes']} | "
+           f"{summary['tried']} | "
            f"{summary['excluded']} | {summary['passed']} ({v.get('match', 0)} / {v.get('near-tie', 0)} / "
            f"{v.get('hf-paths-part', 0)} / {v.get('indexer-tie', 0)}) | {summary['failing']} | "
            f"{summary['prompt_logits_over_tolerance']} | {summary['max_prompt_logit_diff']:.1e} | "
@@ -112,10 +113,12 @@ def add_to_benchmarks(summary: dict) -> None:
             "tokens and 24 greedy tokens, transformers (CPU torch, float32) against agentjax (`batch_invariant`, "
             "alone and in prefill chunks). One run at a time under `nice -n 10` on the 2-core development machine "
             f"({summary['machine']}):", "",
-            "    nice -n 10 $HF_PY scripts/fuzz_parity.py --family FAMILY --seed SEED --minutes 60 "
+            "    nice -n 10 $HF_PY scripts/fuzz_parity.py --family FAMILY --seed SEED --minutes BUDGET "
             "--agentjax-python .venv/bin/python --benchmarks", "",
-            "`$HF_PY` is the python that `../shared/bench/hf_reference/setup.sh` prints. Verdicts as in "
+            "`$HF_PY` is the python that `../shared/bench/hf_reference/setup.sh` prints; BUDGET is the row's "
+            "budget column (a run finishes the config in progress when it is spent, so minutes run over it). "
+            "Verdicts as in "
             "fuzz_parity.py's docstring; \"failing\" counts DIVERGENCE, exactness and error. Prompt logits are "
             "compared with transformers' uncached forward (with stable indexer ties where its indexer met a tie).",
-            "", TABLE_HEADER, "|---" * 11 + "|", *rows]
+            "", TABLE_HEADER, "|---" * 12 + "|", *rows]
     write_section("\n".join(body) + "\n")
