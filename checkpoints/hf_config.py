@@ -7,6 +7,8 @@ and as older configs did (`rope_theta` plus `rope_scaling`). Host only: never im
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -125,7 +127,30 @@ def _rope_scaling(fields: ConfigFields, key: str, raw: Mapping[str, Any]) -> Rop
             high_freq_factor=params.number("high_freq_factor", 4.0),
             original_max_position_embeddings=params.integer("original_max_position_embeddings", 8192),
         )
-    raise params.error("rope_type", kind, "one of 'default', 'linear', 'llama3'")
+    if kind == "yarn":
+        return _yarn(params, raw)
+    raise params.error("rope_type", kind, "one of 'default', 'linear', 'llama3', 'yarn'")
+
+
+def _yarn(params: ConfigFields, raw: Mapping[str, Any]) -> RopeScaling:
+    """YaRN as transformers' `_compute_yarn_parameters` reads it: the cos/sin factor is `attention_factor`,
+    else `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are set, else
+    `0.1 ln(factor) + 1` (left None here: agentjax derives it the same way)."""
+    factor = params.number("factor")
+    attention_factor = raw.get("attention_factor")
+    mscale, mscale_all_dim = raw.get("mscale"), raw.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        def scaled(m: float) -> float:
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        attention_factor = scaled(mscale) / scaled(mscale_all_dim)
+    return RopeScaling(
+        kind="yarn", factor=factor,
+        original_max_position_embeddings=params.integer("original_max_position_embeddings"),
+        beta_fast=float(raw.get("beta_fast") or 32.0), beta_slow=float(raw.get("beta_slow") or 1.0),
+        attention_factor=None if attention_factor is None else params.number("attention_factor", attention_factor),
+        truncate=params.boolean("truncate", True),
+    )
 
 
 def rope_settings(fields: ConfigFields, layer_type: str | None = None,

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 fixtures for scripts/make_model_fixtures.py: two tiny random DeepseekV4ForCausalLM
+"""DeepSeek-V4 fixtures for scripts/make_model_fixtures.py: tiny random DeepseekV4ForCausalLM
 checkpoints and transformers' reference outputs, with where its two decoding paths part.
 
 Run only through make_model_fixtures.py with the torch venv (never from project tests). Besides the
@@ -53,20 +53,58 @@ DSV4_FIXTURES = {
         swiglu_limit=0.75, hc_mult=3, hc_sinkhorn_iters=7, hc_eps=1e-4, rms_norm_eps=1e-5,
         rope_theta=50000.0, compress_rope_theta=40000.0, rope_parameters=None,
     ),
+    # The held-out configs of issue 36, weights from transformers' own initialisation at a larger
+    # initializer_range. c: heavily compressed first layer, no sliding layer, rates 4 and 16, window 8,
+    # index top-k 6, two residual streams with 5 Sinkhorn iterations, a hash-routed first MoE layer,
+    # bos/eos ids set, a 20-token prompt; the "tie" prompt is one where transformers' indexer meets tied
+    # scores at its top-k boundary (several entries exactly 0) and torch.topk's choice decides step 10.
+    "deepseek-v4-c": dict(
+        seed=3, prompt_seed=307, extra_prompt_seeds={"tie": 302}, prompt_len=20, init="transformers",
+        initializer_range=0.08, max_position_embeddings=1024, hidden_size=64, num_hidden_layers=4,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=32, o_groups=2,
+        sliding_window=8, index_n_heads=4, index_head_dim=16, index_topk=6,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
+        swiglu_limit=10.0, hc_mult=2, hc_sinkhorn_iters=5, hc_eps=1e-6, rms_norm_eps=1e-6,
+        rope_theta=10000.0, compress_rope_theta=160000.0, rope_parameters=None, bos_token_id=0, eos_token_id=1,
+    ),
+    # d: a sliding first layer, rates 4 and 32 (pages of 32 tokens), index top-k 5, three residual streams,
+    # initializer_range 0.05, a 72-token prompt whose 18 CSA entries the indexer cuts to 5; transformers'
+    # indexer meets ties at steps 8, 10, 14 and 20 and torch.topk's choice decides step 8.
+    "deepseek-v4-d": dict(
+        seed=6, prompt_seed=613, prompt_len=72, init="transformers", initializer_range=0.05,
+        max_position_embeddings=1024, hidden_size=64, num_hidden_layers=4,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=32, o_groups=2,
+        sliding_window=16, index_n_heads=4, index_head_dim=16, index_topk=5,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
+        swiglu_limit=10.0, hc_mult=3, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+        rope_theta=10000.0, compress_rope_theta=160000.0, rope_parameters=None, bos_token_id=0, eos_token_id=1,
+    ),
 }
+
+
+# Spec keys that are not config fields: seeds, prompt length and "init" ("transformers": keep transformers' own
+# initialisation at the spec's initializer_range for every tensor it draws at random, see `build`).
+SPEC_ONLY = ("seed", "prompt_seed", "extra_prompt_seeds", "prompt_len", "init")
 
 
 def build_config(spec: dict):
     from transformers import DeepseekV4Config
 
-    kwargs = {k: v for k, v in spec.items() if k not in ("seed", "prompt_seed", "extra_prompt_seeds", "prompt_len")}
+    kwargs = {k: v for k, v in spec.items() if k not in SPEC_ONLY}
     if kwargs.get("rope_parameters") is None:
         kwargs.pop("rope_parameters", None)
-    return DeepseekV4Config(
-        vocab_size=VOCAB, num_key_value_heads=1, n_shared_experts=1,
-        num_nextn_predict_layers=1, scoring_func="sqrtsoftplus", norm_topk_prob=True, hidden_act="silu",
-        tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None, **kwargs,
-    )
+    defaults = dict(vocab_size=VOCAB, num_key_value_heads=1, n_shared_experts=1, num_nextn_predict_layers=1,
+                    scoring_func="sqrtsoftplus", norm_topk_prob=True, hidden_act="silu", tie_word_embeddings=False,
+                    pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return DeepseekV4Config(**{**defaults, **kwargs})
 
 
 def _hash_table(shape: tuple[int, ...], num_experts: int, gen: torch.Generator) -> torch.Tensor:
@@ -85,6 +123,12 @@ def random_value(name: str, shape: tuple[int, ...], gen: torch.Generator, num_ex
     if leaf in ("base", "hc_base", "hc_attn_base", "hc_ffn_base", "hc_head_base", "position_bias", "ape"):
         return torch.randn(shape, generator=gen, dtype=torch.float32) * 0.5
     return common(name, shape, gen)
+
+
+def constant_at_init(name: str, shape: tuple[int, ...]) -> bool:
+    """Tensors transformers initialises to a constant (norm weights, sinks, mHC bases and scales, routing
+    biases, position biases) or to zeros (the hash table)."""
+    return name.rsplit(".", 1)[-1] in ("tid2eid", "position_bias") or len(shape) == 1
 
 
 def mtp_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -126,8 +170,11 @@ def build(spec: dict, common: Callable):
     torch.manual_seed(spec["seed"])
     model = DeepseekV4ForCausalLM(config)
     gen = torch.Generator().manual_seed(spec["seed"])
+    keep_init = spec.get("init") == "transformers"
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
+            if keep_init and not constant_at_init(name, tuple(tensor.shape)):
+                continue
             tensor.copy_(random_value(name, tuple(tensor.shape), gen, config.n_routed_experts, common))
     gen = torch.Generator().manual_seed(spec["seed"] + 1000)
     mtp = {name: random_value(name, shape, gen, config.n_routed_experts, common)
@@ -187,7 +234,7 @@ def _top2_margin(logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str, np.ndarray]:
-    from transformers import GenerationConfig
+    from fuzz_parity_reference import greedy_generate
 
     length = prompt.numel()
     ties = IndexerTieRecorder(model)
@@ -195,9 +242,6 @@ def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str,
     prompt_logits = model(input_ids=prompt[None], use_cache=False).logits[0].float()
     prompt_ties = [ties.forward_ties(0, p, p) for p in range(length)]
 
-    gen_config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                                  pad_token_id=None, bos_token_id=None, output_logits=True,
-                                  return_dict_in_generate=True, use_cache=True)
     first_cached = len(ties.calls)
     original_forward = model.forward
 
@@ -206,7 +250,7 @@ def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str,
         return original_forward(*args, **kwargs)
 
     model.forward = counted_forward
-    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], generation_config=gen_config)
+    out = greedy_generate(model, prompt, new_tokens)
     model.forward = original_forward
     generated = out.sequences[0, length:]
     step_logits = torch.stack([s[0].float() for s in out.logits])
@@ -231,7 +275,8 @@ def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str,
         first_moved.append(int(over[0]) if over.numel() else -1)
     ties.restore()
     uncached = torch.tensor(uncached_ids)
-    return {
+    stable = stable_outputs(model, prompt, new_tokens) if any(prompt_ties + cached_ties + uncached_ties) else {}
+    return stable | {
         "prompt_ids": prompt.numpy().astype(np.int32),
         "prompt_logits": prompt_logits.numpy().astype(np.float32),
         "last_prompt_logits": step_logits[0].numpy().astype(np.float32),
@@ -249,6 +294,19 @@ def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str,
         "noncausal_prompt_shift": np.asarray(shift, np.float32),
         "noncausal_first_position": np.asarray(first_moved, np.int32),
     }
+
+
+def stable_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str, np.ndarray]:
+    """transformers' prompt logits and cached greedy generate with the indexer's top-k ties broken toward
+    the lower entry (agentjax's rule), recorded where its own run met a tie."""
+    from fuzz_parity_reference import reference, stable_indexer_topk
+
+    with stable_indexer_topk():
+        ref = reference(model, prompt, new_tokens)
+    return {"stable_prompt_logits": ref["prompt_logits"].astype(np.float32),
+            "stable_generated_ids": ref["generated_ids"].astype(np.int32),
+            "stable_generated_logits": ref["generated_logits"].astype(np.float32),
+            "stable_generated_margins": ref["margins"].astype(np.float32)}
 
 
 def summary(ref: dict[str, np.ndarray]) -> dict:

@@ -1,5 +1,8 @@
 """Write tiny random Kimi-Linear, MiniMax-M3 and DeepSeek-V4 checkpoints plus transformers' reference outputs.
 
+The `fuzz-*` fixtures are configs drawn by scripts/fuzz_parity.py that exposed a bug
+(fuzz_parity_configs.FIXTURES), with the fuzzer's own weights and prompt.
+
 Run with the torch venv (never from project tests): each fixture directory gets config.json,
 generation_config.json and model.safetensors exactly as transformers' `save_pretrained` writes them
 (plus the MiniMax MTP tensors transformers ignores on load), and reference.npz with prompt logits and
@@ -22,6 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dsv4_fixtures
+import fuzz_parity_configs
+from fuzz_parity_reference import greedy_generate
 
 log = logging.getLogger("make_model_fixtures")
 NEW_TOKENS = 24
@@ -217,6 +222,17 @@ def build_dsv4(spec: dict):
     return dsv4_fixtures.build(spec, common)
 
 
+def fuzzed_spec(family: str, config_seed: int) -> dict:
+    """A fixture spec from one of scripts/fuzz_parity.py's configs (its prompt included)."""
+    d = fuzz_parity_configs.draw(family, config_seed)
+    return dict(family=family, config_seed=config_seed, seed=d.seed, prompt_seed=d.seed, prompt_len=d.prompt_len,
+                vocab_size=d.fields["vocab_size"])
+
+
+def build_fuzzed(spec: dict):
+    return fuzz_parity_configs.build(fuzz_parity_configs.draw(spec["family"], spec["config_seed"]))
+
+
 def dsv4_reference(model, prompt: torch.Tensor) -> dict[str, np.ndarray]:
     return dsv4_fixtures.reference_outputs(model, prompt, NEW_TOKENS)
 
@@ -255,15 +271,8 @@ def _top2_margin(logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_outputs(model, prompt: torch.Tensor) -> dict[str, np.ndarray]:
-    from transformers import GenerationConfig
-
     prompt_logits = model(input_ids=prompt[None], use_cache=False).logits[0].float()
-    # No pad token and an explicit all-ones mask: generate must not mistake a prompt token for padding.
-    gen_config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                  pad_token_id=None, bos_token_id=None, output_logits=True,
-                                  return_dict_in_generate=True, use_cache=True)
-    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None],
-                         generation_config=gen_config)
+    out = greedy_generate(model, prompt, NEW_TOKENS)
     generated = out.sequences[0, prompt.numel():]
     step_logits = torch.stack([s[0].float() for s in out.logits])
     if generated.numel() != NEW_TOKENS or not torch.equal(step_logits.argmax(-1), generated):
@@ -316,7 +325,8 @@ def make_fixture(name: str, spec: dict, build, out_root: Path, reference=None) -
     model = check_reload(cls, out_dir, model)
 
     def prompt_from(seed: int) -> torch.Tensor:
-        return torch.randint(0, VOCAB, (spec["prompt_len"],), generator=torch.Generator().manual_seed(seed))
+        vocab = spec.get("vocab_size", VOCAB)
+        return torch.randint(0, vocab, (spec["prompt_len"],), generator=torch.Generator().manual_seed(seed))
 
     ref = (reference or reference_outputs)(model, prompt_from(spec.get("prompt_seed", spec["seed"] + 2000)))
     write_npz(out_dir / "reference.npz", ref)
@@ -350,6 +360,9 @@ def main() -> None:
     jobs = [(n, s, build_kimi) for n, s in KIMI_FIXTURES.items()]
     jobs += [(n, s, build_minimax) for n, s in MINIMAX_FIXTURES.items()]
     jobs += [(n, s, build_dsv4, dsv4_reference) for n, s in dsv4_fixtures.DSV4_FIXTURES.items()]
+    for name, (family, config_seed) in fuzz_parity_configs.FIXTURES.items():
+        reference = [dsv4_reference] if family == "deepseek-v4" else []
+        jobs.append((name, fuzzed_spec(family, config_seed), build_fuzzed, *reference))
     for name, spec, build, *reference in jobs:
         if args.only and name not in args.only:
             continue

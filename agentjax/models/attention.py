@@ -14,7 +14,7 @@ from jaxtyping import Array, Float
 
 from agentjax import kernels
 from agentjax.config import ModelConfig
-from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies, yarn_attention_factor
 
 if TYPE_CHECKING:
     from agentjax.ragged_batch import RaggedBatch
@@ -51,7 +51,8 @@ class Attention(nnx.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q, numerics), self.k_norm(k, numerics)
         inv_freq = rope_inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling)
-        return apply_rope(q, batch.positions, inv_freq), apply_rope(k, batch.positions, inv_freq), v
+        scale = yarn_attention_factor(self.rope_scaling)
+        return (apply_rope(q, batch.positions, inv_freq, scale), apply_rope(k, batch.positions, inv_freq, scale), v)
 
     def __call__(
         self,

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float
 
 from agentjax import kernels
 from agentjax.config import ModelConfig
-from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies
+from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies, yarn_attention_factor
 
 if TYPE_CHECKING:
     from agentjax.ragged_batch import RaggedBatch
@@ -65,9 +65,12 @@ class BlockSparseAttention(nnx.Module):
         index_q = self.index_q_norm(index_q, numerics)
         index_k = self.index_k_norm(self.index_k_proj(x, numerics), numerics)[:, None, :]
         inv_freq = rope_inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling)
-        positions = batch.positions
-        return (apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v,
-                apply_rope(index_q, positions, inv_freq), apply_rope(index_k, positions, inv_freq)[:, 0])
+        positions, scale = batch.positions, yarn_attention_factor(self.rope_scaling)
+
+        def rope(t: Array) -> Array:
+            return apply_rope(t, positions, inv_freq, scale)
+
+        return rope(q), rope(k), v, rope(index_q), rope(index_k)[:, 0]
 
     def __call__(
         self,

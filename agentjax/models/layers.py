@@ -120,13 +120,16 @@ def yarn_attention_factor(scaling: RopeScaling | None) -> float:
 
 
 def apply_rope(
-    x: Float[Array, "tokens heads dim"], positions: Int[Array, " tokens"], inv_freq: Array
+    x: Float[Array, "tokens heads dim"], positions: Int[Array, " tokens"], inv_freq: Array, scale: float = 1.0
 ) -> Float[Array, "tokens heads dim"]:
     """Rotate-half RoPE (the HF layout: the two halves of the rotated channels form the pairs) on
-    the first `2 * len(inv_freq)` channels of each head; the rest pass through (partial RoPE)."""
+    the first `2 * len(inv_freq)` channels of each head; the rest pass through (partial RoPE).
+    `scale` multiplies cos and sin (YaRN's attention factor, `yarn_attention_factor`)."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x32 = x.astype(jnp.float32)
     half = inv_freq.shape[0]
     x1, x2, rest = x32[..., :half], x32[..., half:2 * half], x32[..., 2 * half:]

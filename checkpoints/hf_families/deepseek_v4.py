@@ -10,6 +10,7 @@ modules `mtp.{k}.*` in the upstream spelling (transformers never loads those). H
 """
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -28,6 +29,7 @@ DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048,
                 num_hash_layers=3, rms_norm_eps=1e-6, num_nextn_predict_layers=1)
 MLP_TYPES = {"hash_moe": "hash_moe", "moe": "moe"}
 PREFIXES = ("", "model.")
+logger = logging.getLogger(__name__)
 
 
 def _mlp_layer_types(fields: ConfigFields, num_layers: int) -> tuple[str, ...]:
@@ -48,6 +50,9 @@ def model_config(fields: ConfigFields) -> ModelConfig:
         raise fields.error("n_shared_experts", fields.raw["n_shared_experts"],
                            "1 (transformers builds exactly one shared expert of moe_intermediate_size)")
     mlp_types = _mlp_layer_types(fields, num_layers)
+    if not fields.boolean("norm_topk_prob", True):
+        logger.warning("%s: norm_topk_prob=false is ignored (as transformers does): DeepSeek-V4's routers always "
+                       "renormalise the chosen experts' weights", fields.source)
     from agentjax.models.moe import MoEConfig
 
     moe = MoEConfig(
@@ -58,7 +63,7 @@ def model_config(fields: ConfigFields) -> ModelConfig:
         shared_intermediate_size=inner,
         scoring=fields.choice("scoring_func", ["sqrtsoftplus", "sigmoid", "softmax"], default="sqrtsoftplus"),
         use_routing_bias=True,
-        renormalize=fields.boolean("norm_topk_prob", True),
+        renormalize=True,  # transformers' DeepseekV4TopKRouter and HashRouter, whatever norm_topk_prob says
         routed_scaling_factor=fields.number("routed_scaling_factor", DEFAULTS["routed_scaling_factor"]),
         activation="clamped_swiglu",
         swiglu_limit=fields.number("swiglu_limit", DEFAULTS["swiglu_limit"]),

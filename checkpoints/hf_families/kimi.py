@@ -11,6 +11,7 @@ reversal writes them, `block_sparse_moe.*`; experts per expert as `w1/w2/w3` or 
 """
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -32,6 +33,7 @@ LAYER_TYPES = {"linear_attention": "kda", "full_attention": "mla"}
 MLP_TYPES = {"dense": "dense", "sparse": "moe"}
 # Where the text model's tensors live: kimi_linear, then the K3 wrapper.
 PREFIXES = (("model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"))
+logger = logging.getLogger(__name__)
 
 
 def _layer_types(fields: ConfigFields, linear: ConfigFields, num_layers: int) -> tuple[str, ...]:
@@ -54,8 +56,10 @@ def _layer_types(fields: ConfigFields, linear: ConfigFields, num_layers: int) ->
     return tuple("mla" if i and i % 4 == 0 else "kda" for i in range(num_layers))
 
 
-def text_config(fields: ConfigFields) -> ModelConfig:
-    """A KimiLinearConfig (plus Kimi-K3's text fields) as a ModelConfig."""
+def text_config(fields: ConfigFields, *, tied_head: bool = True) -> ModelConfig:
+    """A KimiLinearConfig (plus Kimi-K3's text fields) as a ModelConfig. `tied_head=False`: the LM head
+    is always its own tensor (transformers' KimiLinearForCausalLM ties nothing, whatever
+    `tie_word_embeddings` says)."""
     for key, why in (("mla_use_nope", "true (Kimi's MLA applies no RoPE)"),):
         if fields.raw.get(key, True) is not True:
             raise fields.error(key, fields.raw[key], why)
@@ -127,7 +131,7 @@ def text_config(fields: ConfigFields) -> ModelConfig:
         rms_norm_eps=eps,
         layer_types=layer_types,
         mlp_layer_types=mlp_types,
-        tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
+        tie_word_embeddings=_tied(fields, tied_head),
         hidden_activation=activation,
         **situ,
         attn_res_block_size=fields.integer("attn_res_block_size", None),
@@ -137,6 +141,14 @@ def text_config(fields: ConfigFields) -> ModelConfig:
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=eos,
     )
+
+
+def _tied(fields: ConfigFields, tied_head: bool) -> bool:
+    tie = fields.boolean("tie_word_embeddings", False)
+    if tie and not tied_head:
+        logger.warning("%s: tie_word_embeddings=true is ignored (as transformers' KimiLinearForCausalLM does): "
+                       "the LM head is read from lm_head.weight", fields.source)
+    return tie and tied_head
 
 
 def _kda_k3_fields(linear: ConfigFields) -> dict:
@@ -154,7 +166,7 @@ def model_config(fields: ConfigFields) -> ModelConfig:
         top_eos = fields.token_ids("eos_token_id")
         return cfg.replace(eos_token_ids=top_eos or cfg.eos_token_ids,
                            bos_token_id=(fields.token_ids("bos_token_id") or (cfg.bos_token_id,))[0])
-    return text_config(fields)
+    return text_config(fields, tied_head=False)
 
 
 class _Reader:
@@ -232,8 +244,10 @@ def _moe(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
         experts = range(moe.num_experts)
         read.stacked(gate_up, [[block + f"experts.{e}.w1.weight", block + f"experts.{e}.w3.weight"] for e in experts])
         read.stacked(down, [[block + f"experts.{e}.w2.weight"] for e in experts])
-    if moe.num_shared_experts:
-        shared = block + "shared_experts."
+    shared = block + "shared_experts."
+    if not moe.num_shared_experts:  # transformers builds them anyway, 0 wide: they add exactly 0
+        read.tensors.ignore(*[n for n in read.tensors.names if n.startswith(shared) and 0 in read.tensors.shape(n)])
+    else:
         if shared + "gate_up_proj.weight" in read.tensors:
             read.one(f"{dst}mlp.shared_experts.gate_up_proj", [shared + "gate_up_proj.weight"], transpose=True)
         else:

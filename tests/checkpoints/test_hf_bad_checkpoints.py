@@ -111,8 +111,8 @@ def test_missing_config_field_is_named(tmp_path, no_device_placement):
         ({"num_key_value_heads": 3}, r"'num_key_value_heads' is 3; expected a divisor of num_attention_heads=4"),
         ({"hidden_act": "gelu"}, r"'hidden_act' is 'gelu'; expected one of 'silu'"),
         ({"rms_norm_eps": -1}, r"'rms_norm_eps' is -1; expected a number > 0"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-         r"'rope_parameters.rope_type' is 'yarn'; expected one of 'default', 'linear', 'llama3'"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}},
+         r"'rope_parameters.rope_type' is 'longrope'; expected one of 'default', 'linear', 'llama3', 'yarn'"),
         ({"attention_bias": True}, r"'attention_bias' is True; expected false"),
     ],
 )

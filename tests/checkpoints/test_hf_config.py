@@ -66,6 +66,27 @@ def test_llama_rope_from_rope_parameters_and_from_legacy_fields():
     assert rope_settings(ConfigFields({})) == (10_000.0, None)
 
 
+def test_yarn_rope_as_transformers_reads_it():
+    """transformers' _compute_yarn_parameters: beta defaults 32 / 1, truncate by default, the cos/sin factor
+    `attention_factor` or, with mscale and mscale_all_dim both set, their ratio of `0.1 m ln(factor) + 1`."""
+    import math
+
+    from agentjax.models.layers import yarn_attention_factor
+
+    plain = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    theta, scaling = rope_settings(ConfigFields({"rope_parameters": plain}))
+    assert theta == 10000.0 and (scaling.kind, scaling.factor, scaling.original_max_position_embeddings) == ("yarn", 4.0, 64)
+    assert (scaling.beta_fast, scaling.beta_slow, scaling.truncate) == (32.0, 1.0, True)
+    assert yarn_attention_factor(scaling) == 0.1 * math.log(4.0) + 1.0
+    mscaled = rope_settings(ConfigFields({"rope_parameters": {**plain, "mscale": 2.0, "mscale_all_dim": 1.0}}))[1]
+    assert math.isclose(yarn_attention_factor(mscaled), (0.2 * math.log(4.0) + 1) / (0.1 * math.log(4.0) + 1))
+    given = rope_settings(ConfigFields({"rope_parameters": {**plain, "attention_factor": 1.0, "truncate": False,
+                                                            "beta_fast": 16.0}}))[1]
+    assert (yarn_attention_factor(given), given.truncate, given.beta_fast) == (1.0, False, 16.0)
+    with pytest.raises(ModelConfigError, match=r"'rope_parameters.original_max_position_embeddings' is missing"):
+        rope_settings(ConfigFields({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+
+
 def test_nested_section_fields_are_named_with_their_path():
     wrapper = ConfigFields({"text_config": {"hidden_size": -4}}, source="dir/config.json")
     with pytest.raises(ModelConfigError, match=r"dir/config.json: field 'text_config.hidden_size' is -4"):
