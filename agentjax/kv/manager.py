@@ -52,6 +52,7 @@ from agentjax.kv.eviction import EvictionOrder, PinnedEvictionOrder
 from agentjax.kv.groups import CheckpointGroup, GroupManager, GroupTable, make_group_manager
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
+from agentjax.kv.slab_pool import SlabPool
 from agentjax.kv.specs import FullAttentionSpec, KVGroupPlan, KVSpec, plan_groups, specs_from_model_config
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,10 @@ class KVCacheManager:
 
     def __init__(self, plan: KVGroupPlan, num_blocks: int, enable_caching: bool = True,
                  cache_on_allocate: bool = True, enable_kv_events: bool = False,
-                 eviction_order: EvictionOrder | None = None, clock: Callable[[], float] | None = None):
+                 eviction_order: EvictionOrder | None = None, clock: Callable[[], float] | None = None,
+                 slabs: tuple[int, Sequence[int]] | None = None):
+        """`slabs` = (number of slabs, pages per slab of each group): a "pool" KV layout's pool, whose
+        groups share memory by slabs (agentjax/kv/slab_pool.py); `num_blocks` is then ignored."""
         self.plan = plan
         self.block_size = plan.hash_block_size
         self.enable_caching = enable_caching
@@ -70,7 +74,11 @@ class KVCacheManager:
         if eviction_order is None:
             eviction_order = PinnedEvictionOrder(clock or time.monotonic)
         self.clock = clock or getattr(eviction_order, "clock", time.monotonic)
-        self.pool = BlockPool(num_blocks, len(plan.groups), eviction_order, enable_kv_events)
+        if slabs is None:
+            self.pool = BlockPool(num_blocks, len(plan.groups), eviction_order, enable_kv_events)
+        else:
+            self.pool = SlabPool(slabs[0], slabs[1], eviction_order, enable_kv_events)
+        self.layout = None  # the KVMemoryLayout this manager was built from (`from_layout`), if any
         managers = [make_group_manager(group, self.pool, self.block_size) for group in plan.groups]
         self.groups: list[GroupManager] = managers
         # Prefix groups first: full attention sets the upper bound, the others only shrink it.
@@ -115,6 +123,17 @@ class KVCacheManager:
             specs += specs_from_model_config(draft_config, interval, owner=1)
         return cls.from_specs(specs, num_blocks, block_size, enable_caching,
                               scale_tokens_per_page, cache_on_allocate=cache_on_allocate, **options)
+
+    @classmethod
+    def from_layout(cls, layout, enable_caching: bool = True, cache_on_allocate: bool = False,
+                    **options) -> "KVCacheManager":
+        """The manager of a `agentjax.kv.layout.KVMemoryLayout`: its page groups, over a slab pool
+        ("pool") or one page-id space of `layout.num_slabs` pages ("shared")."""
+        slabs = None if layout.mode == "shared" else (layout.num_slabs, [g.pages_per_slab for g in layout.groups])
+        manager = cls(layout.manager_plan(), layout.num_slabs, enable_caching=enable_caching,
+                      cache_on_allocate=cache_on_allocate, slabs=slabs, **options)
+        manager.layout = layout
+        return manager
 
     # -- prefix lookup ---------------------------------------------------------------------------
     def _root(self, cache_salt: str | None) -> BlockHash:
@@ -191,17 +210,19 @@ class KVCacheManager:
             return num_tokens
         return min(num_tokens, num_reserved_tokens)
 
-    def _new_pages(self, reuse: list, num_tokens: int, num_reserved_tokens: int | None = None) -> int:
-        """Pages an admission takes from the free set beyond the hit's (`reuse`) in every group."""
-        return sum(g.num_new_pages(start, len(pages), self._reserved_tokens(g, num_tokens, num_reserved_tokens))
-                   for g, (pages, start) in zip(self.groups, reuse))
+    def _new_pages(self, reuse: list, num_tokens: int, num_reserved_tokens: int | None = None) -> list[int]:
+        """Pages an admission takes from the free set beyond the hit's (`reuse`), per group."""
+        return [g.num_new_pages(start, len(pages), self._reserved_tokens(g, num_tokens, num_reserved_tokens))
+                for g, (pages, start) in zip(self.groups, reuse)]
 
     def can_allocate(self, token_ids: Sequence[int], cache_salt: str | None = None,
                      num_reserved_tokens: int | None = None) -> bool:
         """Whether `allocate` would succeed now (no side effects)."""
         _, _, _, reuse = self._prepare(token_ids, cache_salt)
         new = self._new_pages(reuse, len(token_ids), num_reserved_tokens)
-        return new + self.pool.count_free_among(_flat_pages(reuse)) <= self.pool.num_free
+        if self.pool.num_groups_share_ids:
+            return sum(new) + self.pool.count_free_among(_flat_pages(reuse)) <= self.pool.num_free
+        return self.pool.can_take(dict(enumerate(new)), touched=_flat_pages(reuse))
 
     # -- request lifecycle -----------------------------------------------------------------------
     def allocate(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
@@ -219,20 +240,20 @@ class KVCacheManager:
         reused = _flat_pages(reuse)
         was_free = reused[pool.ref_counts[reused] == 0] if len(reused) else reused  # a hit takes them out
         new = self._new_pages(reuse, len(tokens), num_reserved_tokens)
-        if new + len(was_free) > pool.num_free:
+        if pool.num_groups_share_ids:
+            if sum(new) + len(was_free) > pool.num_free:
+                return False
+        elif not pool.can_take(dict(enumerate(new)), touched=was_free):
             return False
         order = pool.eviction_order
         undo = AdmissionUndo(was_free, order.positions(was_free), num_tokens=len(tokens), num_hit=hit)
         pool.touch(reused)
-        taken_pages = pool.allocate(new, undo.evicted)
-        if new:
-            undo.new_pages.append(taken_pages)
-            undo.new_positions.append(order.victim_positions())
-        new_pages = taken_pages.tolist()
-        tables, taken = [], 0
-        for group, (pages, start) in zip(self.groups, reuse):
-            count = group.num_new_pages(start, len(pages), self._reserved_tokens(group, len(tokens),
-                                                                                  num_reserved_tokens))
+        group_pages, taken_arrays, positions = pool.take(new, undo.evicted, undo.slab_moves)
+        undo.new_pages += taken_arrays
+        undo.new_positions += positions
+        tables = []
+        for group, (pages, start), count, new_pages in zip(self.groups, reuse, new, group_pages):
+            taken = 0
             if isinstance(group, CheckpointGroup):
                 if pages:  # restore the checkpoint into the running page, then let the source go
                     copy = (group.group_id, pages[0], new_pages[taken])
@@ -241,12 +262,11 @@ class KVCacheManager:
                     undo.copies.append(copy)
                     undo.copy_sources.append(pages[0])
                     self._uncommitted_with_copies.add(req_id)
-                table = group.build_table(start, [], new_pages[taken:taken + count])
+                table = group.build_table(start, [], new_pages)
                 table.last_checkpoint = hit // group.tokens_per_page * group.tokens_per_page if pages else 0
             else:
-                table = group.build_table(start, pages, new_pages[taken:taken + count])
+                table = group.build_table(start, pages, new_pages)
             tables.append(table)
-            taken += count
         request = RequestKV(req_id, TokenBuffer(tokens), self._root(cache_salt), list(hashes), tables, hit, undo=undo)
         self._requests[req_id] = request
         self.queries += len(tokens)
@@ -261,16 +281,11 @@ class KVCacheManager:
         new_tokens = tokens_as_uint32(new_token_ids)
         total = request.tokens.size + len(new_tokens)
         growth = [g.grow(t, total) for g, t in zip(self.groups, request.tables)]
-        if sum(growth) > self.pool.num_free:
+        if not self._can_grow(growth):
             return False
         request.undo = None  # the first successful append commits the admission
         request.tokens.extend(new_tokens)
-        if sum(growth):
-            new_pages = self.pool.allocate(sum(growth)).tolist()
-            taken = 0
-            for table, count in zip(request.tables, growth):
-                table.pages.extend(new_pages[taken:taken + count])
-                taken += count
+        self._grow_tables(request, growth)
         if self.cache_on_allocate:
             self._cache_blocks(request, total)
         return True
@@ -289,16 +304,23 @@ class KVCacheManager:
                                       f"{num_lookahead_tokens} and {num_draft_states}")
         growth = [max(0, 1 + num_draft_states - len(t.pages)) if isinstance(g, CheckpointGroup)
                   else g.grow(t, num_tokens + num_lookahead_tokens) for g, t in zip(self.groups, request.tables)]
-        if sum(growth) > self.pool.num_free:
+        if not self._can_grow(growth):
             return False
         request.undo = None
-        if sum(growth):
-            new_pages = self.pool.allocate(sum(growth)).tolist()
-            taken = 0
-            for table, count in zip(request.tables, growth):
-                table.pages.extend(new_pages[taken:taken + count])
-                taken += count
+        self._grow_tables(request, growth)
         return True
+
+    def _can_grow(self, growth: list[int]) -> bool:
+        if self.pool.num_groups_share_ids:
+            return sum(growth) <= self.pool.num_free
+        return self.pool.can_take(dict(enumerate(growth)))
+
+    def _grow_tables(self, request: RequestKV, growth: list[int]) -> None:
+        """Append `growth[g]` new pages to the request's table of each group g (room already checked)."""
+        if sum(growth):
+            group_pages, _, _ = self.pool.take(growth)
+            for table, pages in zip(request.tables, group_pages):
+                table.pages.extend(pages)
 
     def release_lookahead(self, req_id: str, accepted_drafts: int = 0) -> int:
         """Give back each group's trailing pages that hold neither one of the request's tokens nor the
@@ -359,10 +381,10 @@ class KVCacheManager:
         if key is None or num_computed <= table.last_checkpoint:
             return False
         table.last_checkpoint = num_computed
-        if self.pool.num_free == 0:
+        if not (self.pool.num_free if self.pool.num_groups_share_ids else self.pool.can_take({group.group_id: 1})):
             logger.debug("no free page for a checkpoint at %d tokens; skipped", num_computed)
             return False
-        page = int(self.pool.allocate(1)[0])
+        page = int(self.pool.allocate(1, group=group.group_id)[0])
         self._pending_copies.append((group.group_id, table.pages[0], page))
         index = num_computed // group.tokens_per_page - 1
         self.pool.cache_page(page, group.group_id, key, keys[index - 1] if index else None)
@@ -430,6 +452,8 @@ class KVCacheManager:
                         if page in free_set:
                             pool.restore_cached(page, groups[i], hashes[i], parents[i], tokens[i] if tokens else ())
             pool.restore_free(new_pages, new_positions)
+        if undo.slab_moves:
+            pool.undo_moves(undo.slab_moves)
         pool.restore_free(undo.reused_pages, undo.reused_positions)
         self.queries -= undo.num_tokens
         self.hits -= undo.num_hit
@@ -540,31 +564,52 @@ class KVCacheManager:
 
     def max_pages_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """The most pages one request of `num_tokens` tokens can hold at once over all groups (window
-        groups hold the window plus one chunk; a state group its running page)."""
+        groups hold the window plus one chunk; a state group its running page), in the pool's units."""
         total = 0
         for group in self.groups:
             rule, size = group.group.spec.hit_rule, group.tokens_per_page
             if rule == "checkpoint":
-                total += 1
+                pages = 1
             elif rule == "window":
-                total += min(-(-num_tokens // size), -(-(group.window + max_chunk_tokens) // size) + 1)
+                pages = min(-(-num_tokens // size), -(-(group.window + max_chunk_tokens) // size) + 1)
             else:
-                total += -(-num_tokens // size)
+                pages = -(-num_tokens // size)
+            total += pages * self.units_per_page(group.group_id)
         return total
+
+    def units_per_page(self, group: int) -> int:
+        """A page of `group` in the pool's capacity units (1 unless pages differ in size by group)."""
+        units = getattr(self.pool, "units_per_page", None)
+        return 1 if units is None else int(units[group])
+
+    def new_units(self, num_tokens: int, hit: int) -> int:
+        """Units the prefix pages of a prompt of `num_tokens` tokens with a hit of `hit` tokens take
+        (the scheduler's watermark estimate)."""
+        if self.pool.num_groups_share_ids:
+            return -(-num_tokens // self.block_size) - hit // self.block_size
+        return sum((-(-num_tokens // g.tokens_per_page) - hit // g.tokens_per_page) * self.units_per_page(g.group_id)
+                   for g in self.groups if g.group.spec.hit_rule == "prefix")
+
+    @property
+    def capacity_units(self) -> int:
+        """What the pool can hold, in units (pages for a one-size pool)."""
+        return self.pool.capacity_units()
 
     def take_events(self):
         return self.pool.take_events()
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        """Free capacity in the pool's units (pages for a one-size pool)."""
+        return self.pool.free_units()
 
     def stats(self) -> dict:
         pool = self.pool
         pinned, pinned_free = pool.eviction_order.num_pinned() if hasattr(pool.eviction_order, "num_pinned") else (0, 0)
+        capacity, free = pool.capacity_units(), pool.free_units()
         return {
-            "num_blocks": pool.num_pages, "free_blocks": pool.num_free, "cached_blocks": pool.num_cached,
-            "used_blocks": pool.num_pages - 1 - pool.num_free, "queries": self.queries, "hits": self.hits,
+            "num_blocks": capacity + 1, "free_blocks": free, "cached_blocks": pool.num_cached,
+            "used_blocks": capacity - free, "queries": self.queries, "hits": self.hits,
             "hit_rate": self.hits / self.queries if self.queries else 0.0, "lookups": self.lookups,
             "evictions": pool.evictions, "running_requests": len(self._requests),
             "blocks_hashed": self._memo.blocks_hashed, "blocks_hash_reused": self._memo.blocks_reused,
@@ -582,6 +627,7 @@ class KVCacheManager:
                 assert len(held) == len(set(held)), f"{request.req_id} holds a page twice"
                 np.add.at(owners, np.asarray(held, dtype=np.int64), 1)
         np.add.at(owners, np.asarray(self._pending_copy_sources, dtype=np.int64), 1)
+        owners += self.pool.map_held()
         owners[0] = self.pool.ref_counts[0]
         mismatch = np.flatnonzero(owners != self.pool.ref_counts)
         assert mismatch.size == 0, f"ref counts differ from owners at pages {mismatch[:8].tolist()}"

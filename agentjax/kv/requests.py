@@ -45,6 +45,7 @@ class AdmissionUndo:
     evicted: list[tuple] = field(default_factory=list)  # batches (pages, hashes, groups, parents, tokens)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # pending copies the admission queued
     copy_sources: list[int] = field(default_factory=list)  # checkpoint pages those copies read
+    slab_moves: list[tuple] = field(default_factory=list)  # slabs a SlabPool gave to another group
     num_tokens: int = 0  # counted in the manager's queries
     num_hit: int = 0  # counted in its hits
 
