@@ -26,7 +26,7 @@ class RaggedBatch:
     token_ids: np.ndarray  # [T] input token of each position
     positions: np.ndarray  # [T] position of each token in its sequence
     seq_ids: np.ndarray  # [T] row of each token (padding tokens: row B-1 or any, writes go to page 0)
-    slot_mapping: tuple[np.ndarray, ...]  # per KV group, [T]: page * page_size + offset of its entry
+    slot_mapping: tuple[np.ndarray, ...]  # per KV group, [T]: page * (its page size) + offset of its entry
     cu_q_lens: np.ndarray  # [B+1] start offset of each row's tokens
     kv_lens: np.ndarray  # [B] KV length of each row after this step
     page_indices: tuple[np.ndarray, ...]  # per KV group, [B, P_g]: page table of each row, 0-padded
@@ -61,7 +61,7 @@ class RaggedBatch:
     @staticmethod
     def build(
         rows: Sequence[tuple[Sequence[int], int, Sequence]],
-        page_size: int,
+        page_size: int | Sequence[int],
         *,
         state_groups: Sequence[int] = (),
         token_buckets: Sequence[int] = TOKEN_BUCKETS,
@@ -74,8 +74,9 @@ class RaggedBatch:
         `sample_counts` (speculative decoding) gives per row how many of its last tokens get logits (a
         decode row's real token and its draft tokens); by default one, the last.
 
-        `num_computed_tokens` is how many of the row's tokens already sit in its pages; the new
-        tokens take the positions after them. `page_tables` holds one page list per KV group (a
+        `page_size` is the tokens per page of every group, or one value per group (a "pool" KV layout
+        gives each page group its own). `num_computed_tokens` is how many of the row's tokens already
+        sit in its pages; the new tokens take the positions after them. `page_tables` holds one page list per KV group (a
         plain list of ints is one group); each must cover every new token, except the groups in
         `state_groups`, whose table is the one page holding the row's recurrent state.
         """
@@ -90,12 +91,15 @@ class RaggedBatch:
             raise InvalidRequestError("every batch row needs a page table for each KV group")
         padded_tokens = bucket(num_tokens, token_buckets)
         padded_seqs = bucket(len(rows), seq_buckets)
+        sizes = [page_size] * num_groups if isinstance(page_size, (int, np.integer)) else list(page_size)
+        if len(sizes) != num_groups:
+            raise InvalidRequestError(f"{len(sizes)} page sizes for {num_groups} KV groups")
 
         token_ids = np.zeros(padded_tokens, np.int32)
         positions = np.zeros(padded_tokens, np.int32)
         seq_ids = np.full(padded_tokens, padded_seqs - 1, np.int32)
         # Padding tokens write into the null page; their slot index stays inside it.
-        slot_mapping = [np.arange(padded_tokens, dtype=np.int32) % page_size for _ in range(num_groups)]
+        slot_mapping = [np.arange(padded_tokens, dtype=np.int32) % sizes[g] for g in range(num_groups)]
         cu_q_lens = np.full(padded_seqs + 1, num_tokens, np.int32)
         kv_lens = np.zeros(padded_seqs, np.int32)
         page_indices = [
@@ -120,15 +124,15 @@ class RaggedBatch:
             count = len(new_tokens)
             end_pos = num_computed + count
             pos = np.arange(num_computed, end_pos, dtype=np.int32)
-            needed_pages = -(-end_pos // page_size)
             for g in token_groups:
-                if len(tables[g]) < needed_pages:
+                size = sizes[g]
+                if len(tables[g]) < -(-end_pos // size):
                     raise InvalidRequestError(
-                        f"row {row} needs {needed_pages} pages for {end_pos} tokens, "
+                        f"row {row} needs {-(-end_pos // size)} pages for {end_pos} tokens, "
                         f"its page table for KV group {g} has {len(tables[g])}"
                     )
                 table = np.asarray(tables[g], np.int32)
-                slot_mapping[g][start : start + count] = table[pos // page_size] * page_size + pos % page_size
+                slot_mapping[g][start : start + count] = table[pos // size] * size + pos % size
             for g in range(num_groups):
                 page_indices[g][row, : len(tables[g])] = tables[g]
             token_ids[start : start + count] = new_tokens

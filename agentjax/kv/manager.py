@@ -77,7 +77,8 @@ class KVCacheManager:
         if slabs is None:
             self.pool = BlockPool(num_blocks, len(plan.groups), eviction_order, enable_kv_events)
         else:
-            self.pool = SlabPool(slabs[0], slabs[1], eviction_order, enable_kv_events)
+            bounded = [group.spec.hit_rule != "prefix" for group in plan.groups]
+            self.pool = SlabPool(slabs[0], slabs[1], eviction_order, enable_kv_events, bounded)
         self.layout = None  # the KVMemoryLayout this manager was built from (`from_layout`), if any
         managers = [make_group_manager(group, self.pool, self.block_size) for group in plan.groups]
         self.groups: list[GroupManager] = managers

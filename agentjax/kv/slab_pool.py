@@ -27,7 +27,9 @@ class SlabPool(BlockPool):
     num_groups_share_ids = False
 
     def __init__(self, num_slabs: int, pages_per_slab: Sequence[int], eviction_order: EvictionOrder | None = None,
-                 enable_events: bool = False):
+                 enable_events: bool = False, bounded: Sequence[bool] | None = None):
+        """`bounded[g]`: group g holds a bounded number of pages per request (a window or a state); its
+        new pages go to the slabs its requests already use most, so the others drain and can change hands."""
         per_slab = np.asarray(pages_per_slab, dtype=np.int64)
         ids = num_slabs * per_slab
         super().__init__(int(ids.sum()), len(per_slab), eviction_order, enable_events)
@@ -44,6 +46,7 @@ class SlabPool(BlockPool):
         self.group_free = np.zeros(len(per_slab), dtype=np.int64)
         self.num_unowned = num_slabs - 1
         self.free_stamp = np.zeros(self.num_pages, dtype=np.int64)  # when each page was last freed
+        self.bounded = list(bounded) if bounded is not None else [False] * len(per_slab)
         self._stamp = 1
         self.slab_moves = 0  # conversions: a slab given to a group
         self.slab_trades = 0  # of which the slab came from another group (not from the free slabs)
@@ -187,6 +190,13 @@ class SlabPool(BlockPool):
             return np.zeros(0, dtype=np.int32)
         start, stop = self.group_range(group)
         order = self.eviction_order
+        if self.bounded[group]:
+            pages = self._densest_free(group, count)
+            self._last_positions = order.positions(pages)
+            forget = getattr(order, "on_reclaimed", None)
+            if forget is not None:
+                forget(pages)
+            return self._took(pages, evicted)
         empty = min(count, self._empty_free(group)) if self.num_unowned else 0
         parts, positions = [], []
         if empty:  # free memory is left: take pages that hold nothing before evicting a cached block
@@ -197,6 +207,26 @@ class SlabPool(BlockPool):
             positions.append(order.victim_positions())
         pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self._last_positions = positions[0] if len(positions) == 1 else np.concatenate(positions)
+        return self._took(pages, evicted)
+
+    def _densest_free(self, group: int, count: int) -> np.ndarray:
+        """`count` free pages of a bounded group: unpinned first; while free slabs remain, empty before
+        cached; then in the slabs with the most held pages (so the others drain whole and can change
+        hands), then freed longest ago."""
+        start, stop = self.group_range(group)
+        k = int(self.pages_per_slab[group])
+        ids = np.arange(start, stop, dtype=np.int64)
+        slabs = (ids - start) // k
+        free = ids[(self.ref_counts[start:stop] == 0) & (self.slab_owner[slabs] == group)]
+        pinned = getattr(self.eviction_order, "pinned_mask", None)
+        cached, density = self.page_group[free] >= 0, -self.slab_held[(free - start) // k]
+        keys = (self.free_stamp[free], cached, density) if not self.num_unowned else \
+            (self.free_stamp[free], density, cached)
+        keys += (pinned(free) if pinned is not None else np.zeros(len(free), dtype=bool),)
+        return free[np.lexsort(keys)[:count]].astype(np.int32)
+
+    def _took(self, pages: np.ndarray, evicted: list | None) -> np.ndarray:
+        count = len(pages)
         self.ref_counts[pages] = 1
         self.num_free -= count
         self._held_changed(pages.astype(np.int64), +1)

@@ -21,6 +21,7 @@ import numpy as np
 
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import state_group_ids
+from agentjax.kv_buffers import KVPool, copy_pool_pages, new_pool
 from agentjax.ragged_batch import RaggedBatch, bucket
 from agentjax.runner.compilation_cache import enable_compilation_cache
 from agentjax.runner.drafters import SpecInputs
@@ -55,20 +56,26 @@ class ModelRunner:
     last_drafts: np.ndarray | None = None
 
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
-                 logprobs_mode: str = "raw_logprobs", drafting=None):
+                 logprobs_mode: str = "raw_logprobs", drafting=None, kv_layout=None):
         """`drafting` (agentjax.spec_decode.setup.Drafting, or None) names a device drafter: the method,
-        its draft count and, for a draft model, its config and parameters."""
+        its draft count and, for a draft model, its config and parameters. `kv_layout` (a
+        `KVMemoryLayout`) places the KV memory: a "pool" layout's slabs, or with None / "shared" one
+        buffer per kind of `num_pages` pages of `page_size` tokens."""
         enable_compilation_cache()
         self.cfg = cfg
         self.logprobs_mode = logprobs_mode
         self.params = params
         self.page_size = page_size
-        self.num_pages = num_pages
+        self.kv_layout = kv_layout
+        pooled = kv_layout is not None and kv_layout.mode == "pool"
+        self.num_pages = kv_layout.num_slabs if kv_layout is not None else num_pages
+        # tokens per page of each batch page table (a pool's page groups each have their own)
+        self.page_sizes = kv_layout.tokens_per_page() if pooled else page_size
         self.numerics = numerics
         self.drafting = drafting
-        self.drafter = make_drafter(cfg, drafting, numerics, page_size) if drafting is not None else None
+        self.drafter = make_drafter(cfg, drafting, numerics, page_size, kv_layout) if drafting is not None else None
         self.kv_pages = self._new_kv_pages()
-        self.state_groups = state_group_ids(cfg)
+        self.state_groups = kv_layout.state_groups() if pooled else state_group_ids(cfg)
         self._steps = {
             True: make_sampling_step(cfg, numerics, greedy_only=True, drafter=self.drafter),
             False: make_sampling_step(cfg, numerics, greedy_only=False, drafter=self.drafter),
@@ -83,7 +90,9 @@ class ModelRunner:
         drafting = self.drafting
         return (self.params, drafting.draft_params) if drafting is not None and drafting.draft_cfg else self.params
 
-    def _new_kv_pages(self) -> tuple:
+    def _new_kv_pages(self):
+        if self.kv_layout is not None and self.kv_layout.mode == "pool":
+            return new_pool(self.kv_layout)
         pages = tuple(self.cfg.new_kv_pages(self.num_pages, self.page_size))
         if self.drafting is not None and self.drafting.draft_cfg is not None:
             pages += tuple(self.drafting.draft_cfg.new_kv_pages(self.num_pages, self.page_size))
@@ -186,7 +195,7 @@ class ModelRunner:
                  ) -> tuple[RaggedBatch, SamplingMetadata, bool]:
         if kv_copies:
             self.copy_pages(kv_copies)
-        batch = RaggedBatch.build(rows, self.page_size, state_groups=self.state_groups, sample_counts=sample_counts)
+        batch = RaggedBatch.build(rows, self.page_sizes, state_groups=self.state_groups, sample_counts=sample_counts)
         greedy_only = all(s[0] == 0.0 for s in sampling)
         meta = SamplingMetadata.greedy(batch.num_samples, self.cfg.vocab_size)
         if token_bitmask is not None:
@@ -212,27 +221,38 @@ class ModelRunner:
 
     def copy_pages(self, copies: Sequence[tuple[int, int, int]]) -> None:
         """Run page copies group by group, each group's in the order given."""
-        buffers = list(self.kv_pages)
+        pooled = isinstance(self.kv_pages, KVPool)
+        buffers = self.kv_pages if pooled else list(self.kv_pages)
         for group in sorted({c[0] for c in copies}):
             pairs = [(src, dst) for g, src, dst in copies if g == group]
             size = bucket(len(pairs), COPY_BUCKETS)
             sources = np.zeros(size, np.int32)
             destinations = np.zeros(size, np.int32)
             sources[:len(pairs)], destinations[:len(pairs)] = zip(*pairs)
-            buffers[group] = copy_pages(buffers[group], sources, destinations)
-        self.kv_pages = tuple(buffers)
+            if pooled:
+                buffers = copy_pool_pages(buffers, sources, destinations, group=group)
+            else:
+                buffers[group] = copy_pages(buffers[group], sources, destinations)
+        self.kv_pages = buffers if pooled else tuple(buffers)
 
     def reset_kv(self) -> None:
         self.kv_pages = self._new_kv_pages()
 
 
-def make_drafter(cfg: ModelConfig, drafting, numerics: str, page_size: int):
-    """The device drafter of a `Drafting` (agentjax/runner/drafters.py)."""
+def make_drafter(cfg: ModelConfig, drafting, numerics: str, page_size: int, kv_layout=None):
+    """The device drafter of a `Drafting` (agentjax/runner/drafters.py); with a "pool" `kv_layout`, over
+    its page tables (each with its tokens per page) and its kinds."""
     from agentjax.kv.cache_layout import kv_buffer_specs
     from agentjax.runner.drafters import DraftModelDrafter, MTPDrafter
 
     k = drafting.num_speculative_tokens
+    pooled = kv_layout is not None and kv_layout.mode == "pool"
+    sizes = kv_layout.tokens_per_page() if pooled else page_size
     if drafting.draft_cfg is None:
-        return MTPDrafter(cfg, k, numerics, page_size)
+        return MTPDrafter(cfg, k, numerics, sizes)
+    if pooled:
+        kinds = sum(1 for kind in kv_layout.kinds if kind.owner == 0)
+        tables = sum(1 for group in kv_layout.groups if group.owner == 0)
+        return DraftModelDrafter(cfg, drafting.draft_cfg, kinds, k, numerics, sizes, tables)
     return DraftModelDrafter(cfg, drafting.draft_cfg, len(kv_buffer_specs(cfg, page_size)), k, numerics, page_size)
 

@@ -29,16 +29,16 @@ logger = logging.getLogger(__name__)
 
 
 def make_model_runner(cfg: ModelConfig, params, num_pages: int, engine_cfg: EngineConfig,
-                      drafting=None) -> ModelRunner:
+                      drafting=None, kv_layout=None) -> ModelRunner:
     """The runner an engine's settings ask for (after `sharding.mesh.check_layout`); `drafting` (a device
-    drafter of speculative decoding) runs on one device only."""
+    drafter of speculative decoding) runs on one device only; `kv_layout` places the KV memory."""
     from sharding.distributed import distributed_runner
 
     parallel = engine_cfg.parallel
     page_size = parallel.kv_page_tokens(engine_cfg.block_size)
     if parallel.is_single_device and engine_cfg.num_processes == 1:
         return ModelRunner(cfg, params, num_pages, page_size, engine_cfg.numerics, engine_cfg.logprobs_mode,
-                           drafting=drafting)
+                           drafting=drafting, kv_layout=kv_layout)
     check_engine_layout(cfg, engine_cfg)
     runner = ShardedModelRunner(cfg, params, num_pages, page_size, engine_cfg.numerics, engine_cfg.logprobs_mode,
                                 parallel=parallel)

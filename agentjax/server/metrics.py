@@ -33,9 +33,12 @@ ENGINE_COUNTERS = (
 ENGINE_GAUGES = (
     ("agentjax:num_requests_running", "Requests in the running batch.", "num_running"),
     ("agentjax:num_requests_waiting", "Requests waiting for admission.", "num_waiting"),
-    ("agentjax:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).", "kv_usage"),
-    ("agentjax:kv_used_blocks", "KV pages in use (held by requests or pinned).", "kv_used_blocks"),
-    ("agentjax:kv_total_blocks", "KV pages in the pool.", "kv_total_blocks"),
+    ("agentjax:kv_cache_usage_perc", "Fraction of the KV memory in use (0 to 1; held by requests or pinned).",
+     "kv_usage"),
+    ("agentjax:kv_used_blocks", "KV memory in use, in pages (a pool layout: in pages of its smallest page group).",
+     "kv_used_blocks"),
+    ("agentjax:kv_total_blocks", "KV memory, in pages (a pool layout: in pages of its smallest page group).",
+     "kv_total_blocks"),
 )
 
 
@@ -61,10 +64,22 @@ class _EngineCollector:
         for name, help_text, key in ENGINE_COUNTERS:
             value = stats.get(key, self.server_counts.get(key, 0))
             yield CounterMetricFamily(name, help_text, value=float(value))
+        if stats.get("kv_groups"):
+            yield from kv_group_metrics(stats["kv_groups"])
         if "kv_offload" in stats:
             yield from offload_metrics(stats["kv_offload"])
         if "spec_decode" in stats:
             yield from spec_decode_metrics(stats["spec_decode"])
+
+
+def kv_group_metrics(groups: list[dict]):
+    """`agentjax:kv_group_*_bytes` gauges from `Engine.stats()["kv_groups"]`, labelled by page group."""
+    for key, help_text in (("used_bytes", "KV bytes a page group holds: running requests' pages and cached pages."),
+                           ("reserved_bytes", "KV bytes the memory layout sets aside for a page group.")):
+        family = GaugeMetricFamily(f"agentjax:kv_group_{key}", help_text, labels=["group"])
+        for group in groups:
+            family.add_metric([group["group"]], float(group[key]))
+        yield family
 
 
 # (metric name, help, key in Engine.stats()["spec_decode"]): vLLM's spec_decode_* counters

@@ -144,7 +144,7 @@ def test_a_long_prompt_takes_the_slabs_that_finished_requests_states_left():
             manager.take_pending_copies()
         manager.free(f"short{i}")
     owned_by_states = int((manager.pool.slab_owner == state_group).sum())
-    assert owned_by_states > layout.num_slabs // 2 and manager.pool.num_unowned == 0
+    assert owned_by_states >= layout.num_slabs // 3 and manager.pool.num_unowned == 0
     capacity = layout.groups[latent_group].pages_per_slab * (layout.num_slabs - 2) * 16
     long_prompt = [rng.randrange(1, 100) for _ in range(capacity - 64)]
     assert manager.allocate("long", long_prompt)
