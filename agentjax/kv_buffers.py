@@ -150,14 +150,23 @@ def join_part(kv, part, num_target_kinds: int, draft: bool):
 
 class LayerKV:
     """One layer's access to its KV kinds: `slots` (role -> traced slot) and `kinds` (role -> kind)
-    as the decoder passes them (agentjax/models/layer_plan.py)."""
+    as the decoder passes them (agentjax/models/layer_plan.py).
+
+    A kind stored wider than the pool's words (float32 states in a 16-bit pool, as bit-exact pairs) is
+    handed to its op as a dense buffer of the cells the batch's table names, in its own dtype, with a
+    table and slot numbers over that buffer (plus one cell for the writes of padding tokens); `store`
+    writes those cells back. A bitcast of the whole array would make XLA copy it."""
 
     def __init__(self, kv, batch, slots: dict, kinds: dict[str, int]):
         self.kv, self.batch, self.slots, self.kinds = kv, batch, slots, kinds
         self.pooled = isinstance(kv, KVPool)
+        self._dense: dict[str, tuple] = {}
 
     def _kind(self, role: str) -> DeviceKind:
         return self.kv.layout.kind(self.kinds[role])
+
+    def _widened(self, role: str) -> bool:
+        return self.pooled and self._kind(role).words_per_value > 1
 
     def table_index(self, role: str) -> int:
         if not self.pooled:
@@ -166,9 +175,11 @@ class LayerKV:
 
     def pages(self, role: str) -> jax.Array:
         """The buffer the op reads and writes: the kind's `[slots, pages, ...]` buffer, or every cell of
-        the kind as one layer `[1, cells, ...]`."""
+        the kind as one layer `[1, cells, ...]` (or the dense buffer of a widened kind)."""
         if not self.pooled:
             return self.kv[self.kinds[role]]
+        if self._widened(role):
+            return self._dense_pages(role)[1][None]
         return self.kv.view(self.kinds[role])[None]
 
     def layer(self, role: str):
@@ -177,19 +188,49 @@ class LayerKV:
 
     def table(self, role: str) -> jax.Array:
         tables = self.batch.page_indices[self.table_index(role)]
-        return self._kind(role).cells(tables, self.slots[role]) if self.pooled else tables
+        if not self.pooled:
+            return tables
+        if self._widened(role):
+            rows, width = tables.shape
+            return jnp.arange(rows * width, dtype=jnp.int32).reshape(rows, width)
+        return self._kind(role).cells(tables, self.slots[role])
 
     def slot_mapping(self, role: str) -> jax.Array:
         slots = self.batch.slot_mapping[self.table_index(role)]
-        return self._kind(role).rows(slots, self.slots[role]) if self.pooled else slots
+        if not self.pooled:
+            return slots
+        kind = self._kind(role)
+        if not self._widened(role):
+            return kind.rows(slots, self.slots[role])
+        size, width = kind.tokens_per_page, self.batch.page_indices[self.table_index(role)].shape[1]
+        dense = self.batch.seq_ids * width + self.batch.positions // size
+        padding = slots // size == 0  # the null page: the padding cell after the batch's cells
+        dense = jnp.where(padding, self._dense_pages(role)[1].shape[0] - 1, dense)
+        return dense * size + slots % size
 
     def store(self, role: str, pages: jax.Array) -> None:
         """Put back the op's updated buffer."""
         kind = self.kinds[role]
-        if self.pooled:
-            self.kv = self.kv.with_view(kind, pages[0])
-        else:
+        if not self.pooled:
             self.kv = self.kv[:kind] + (pages,) + self.kv[kind + 1:]
+        elif self._widened(role):
+            cells, _ = self._dense_pages(role)
+            words = jax.lax.bitcast_convert_type(pages[0][:-1], jnp.dtype(self.kv.layout.dtype))
+            self.kv = self.kv.with_view(kind, self.kv.view(kind).at[cells].set(words))
+            del self._dense[role]
+        else:
+            self.kv = self.kv.with_view(kind, pages[0])
+
+    def _dense_pages(self, role: str) -> tuple[jax.Array, jax.Array]:
+        """(cells the table names, flat; their values in the kind's dtype plus one zero cell)."""
+        if role not in self._dense:
+            kind = self._kind(role)
+            tables = self.batch.page_indices[self.table_index(role)]
+            cells = kind.cells(tables, self.slots[role]).reshape(-1)
+            values = jax.lax.bitcast_convert_type(self.kv.view(self.kinds[role])[cells], jnp.dtype(kind.value_dtype))
+            values = jnp.concatenate([values, jnp.zeros((1, *values.shape[1:]), values.dtype)])
+            self._dense[role] = (cells, values)
+        return self._dense[role]
 
 
 # ---- page moves: state checkpoints, the offload tiers ----------------------------------------------

@@ -98,14 +98,22 @@ def sessions_until_preemption(cfg, context: int, memory_gb: float) -> dict:
 
     from agentjax.sampling_params import SamplingParams
 
+    from agentjax.errors import OutOfPagesError
+
     per_session = ideal_bytes(cfg, context)
     count = int(memory_gb * 2**30 // per_session) + 3
-    engine = _engine(cfg, memory_gb, 4 * context)
+    engine = _engine(cfg, memory_gb, 2 * context)
     rng = random.Random(0)
-    sampling = SamplingParams(max_tokens=2 * context, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request([rng.randrange(10, cfg.vocab_size) for _ in range(context)], sampling)
-           for _ in range(count)]
-    requests = {i: engine.requests[i] for i in ids}
+    # decoding an eighth more per session fills what the admitted prompts leave before the first preemption
+    sampling = SamplingParams(max_tokens=context // 8, temperature=0.0, ignore_eos=True)
+    requests, refused = {}, 0
+    for _ in range(count):
+        try:
+            request_id = engine.add_request([rng.randrange(10, cfg.vocab_size) for _ in range(context)], sampling)
+        except OutOfPagesError:  # one session alone does not fit this pool
+            refused += 1
+            continue
+        requests[request_id] = engine.requests[request_id]
     steps = 0
     while engine.scheduler.num_preemptions == 0 and engine.has_unfinished():
         engine.step()
@@ -120,9 +128,11 @@ def sessions_until_preemption(cfg, context: int, memory_gb: float) -> dict:
             hittable += hit
             contexts += len(tokens)
             ideal += ideal_bytes(cfg, len(tokens))
-    ideal_per_gb = contexts * 2**30 / ideal if ideal else 0.0
+    if not ideal:  # nothing held: the ideal of full sessions
+        contexts, ideal = context, per_session
+    ideal_per_gb = contexts * 2**30 / ideal
     stats = engine.stats()
-    return {"memory_gb": memory_gb, "context": context, "sessions": count, "steps": steps,
+    return {"memory_gb": memory_gb, "context": context, "sessions": count, "refused": refused, "steps": steps,
             "sessions_held": len(held), "hittable_tokens": hittable,
             "hittable_per_gb": hittable / memory_gb, "ideal_per_gb": ideal_per_gb,
             "ratio": hittable / memory_gb / ideal_per_gb if ideal_per_gb else 0.0,
@@ -203,22 +213,26 @@ def markdown(after: dict, before: dict | None, command: str) -> str:
              f"{platform.python_version()}, run on {datetime.date.today().isoformat()}. Capacity is KV bookkeeping "
              "(the real scheduler and KV manager; the runner returns a fixed token without computing), so the "
              "figures do not depend on the machine's load.", "",
-             "Long sessions (prompt, then decoding) fill a fixed `kv_cache_memory_gb` until the scheduler first "
+             "Long sessions (a prompt, then an eighth as many tokens decoded) fill a fixed `kv_cache_memory_gb` "
+             "until the scheduler first "
              "preempts. *Hittable*: the tokens of every session a re-send would find in the prefix cache then, per "
              "GB; *ideal*: the memory over what the model must store for those sessions (every KV tensor, "
              "windows limited to their window, one state per request). *0.85 prompt*: one prompt whose stored "
              "bytes are 0.85 of the memory, admitted and run. KV in float32 (the CPU dtype).", "",
-             "| model | code | layout | memory GB | session tokens | sessions held | hittable tokens/GB | ideal tokens/GB "
-             "| hittable / ideal | 0.85 prompt |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | code | layout | memory GB | session tokens | sessions held | measured at | hittable tokens/GB "
+             "| ideal tokens/GB | hittable / ideal | 0.85 prompt |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in after["models"]:
         for code, results in (("before", before), ("after", after)):
             if results is None or label not in results["models"]:
                 continue
             s, single = results["models"][label]["sessions"], results["models"][label]["single"]
             ran = "runs" if single["ran"] else f"refused ({single['error'] or 'not finished'})"
+            held = f"{s['sessions_held']}" if not s.get("refused") else \
+                f"{s['sessions_held']} ({s['refused']} refused: one alone does not fit)"
+            when = "first preemption" if s["preempted"] else "all finished (no preemption)"
             lines.append(f"| {label} | {code} | {s['layout']} | {s['memory_gb']} | {s['context']:,} | "
-                         f"{s['sessions_held']} | {s['hittable_per_gb']:,.0f} | {s['ideal_per_gb']:,.0f} | "
+                         f"{held} | {when} | {s['hittable_per_gb']:,.0f} | {s['ideal_per_gb']:,.0f} | "
                          f"**{s['ratio']:.3f}** | {single['prompt_tokens']:,} tokens: {ran} |")
     lines += ["", "Full-size presets (abstract shapes; KV in the model's dtype, the format the engine runs today: "
               "DeepSeek-V4's fp8_ds_mla rows are sized in plans only), one request of the stated context, by the "

@@ -53,6 +53,32 @@ DSV4_FIXTURES = {
         swiglu_limit=0.75, hc_mult=3, hc_sinkhorn_iters=7, hc_eps=1e-4, rms_norm_eps=1e-5,
         rope_theta=50000.0, compress_rope_theta=40000.0, rope_parameters=None,
     ),
+    # The heavily compressed rates of published checkpoints' shape (4 and 32, 4 and 128), which need KV pages
+    # of 32 or 128 tokens for their entries: loaded with the default settings (agentjax/kv/layout.py).
+    "deepseek-v4-rates-4-32": dict(
+        seed=43, prompt_len=80, max_position_embeddings=1024, hidden_size=48, num_hidden_layers=4,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=24, o_lora_rank=16, o_groups=2,
+        sliding_window=16, index_n_heads=4, index_head_dim=16, index_topk=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
+        swiglu_limit=10.0, hc_mult=2, hc_sinkhorn_iters=7, hc_eps=1e-6, rms_norm_eps=1e-6,
+        rope_theta=10000.0, compress_rope_theta=160000.0, rope_parameters=None,
+    ),
+    "deepseek-v4-rates-4-128": dict(
+        seed=44, prompt_len=144, max_position_embeddings=2048, hidden_size=48, num_hidden_layers=4,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=24, o_lora_rank=16, o_groups=2,
+        sliding_window=32, index_n_heads=4, index_head_dim=16, index_topk=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
+        swiglu_limit=10.0, hc_mult=2, hc_sinkhorn_iters=7, hc_eps=1e-6, rms_norm_eps=1e-6,
+        rope_theta=10000.0, compress_rope_theta=160000.0, rope_parameters=None,
+    ),
 }
 
 

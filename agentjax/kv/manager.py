@@ -565,7 +565,8 @@ class KVCacheManager:
 
     def max_pages_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """The most pages one request of `num_tokens` tokens can hold at once over all groups (window
-        groups hold the window plus one chunk; a state group its running page), in the pool's units."""
+        groups hold the window plus one chunk; a state group its running page), in the pool's units (a
+        slab pool's: whole slabs per group, as a request alone takes them)."""
         total = 0
         for group in self.groups:
             rule, size = group.group.spec.hit_rule, group.tokens_per_page
@@ -575,7 +576,11 @@ class KVCacheManager:
                 pages = min(-(-num_tokens // size), -(-(group.window + max_chunk_tokens) // size) + 1)
             else:
                 pages = -(-num_tokens // size)
-            total += pages * self.units_per_page(group.group_id)
+            per_slab = getattr(self.pool, "pages_per_slab", None)
+            if per_slab is None:
+                total += pages
+            else:
+                total += -(-pages // int(per_slab[group.group_id])) * self.pool.units_per_slab
         return total
 
     def units_per_page(self, group: int) -> int:

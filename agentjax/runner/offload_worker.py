@@ -64,6 +64,7 @@ class OffloadWorker:
         self.device_sharding = SingleDeviceSharding(device, memory_kind="device")
         self.host_sharding = SingleDeviceSharding(device, memory_kind="pinned_host")
         self.mover = page_mover(model_cfg, page_size, self.device_sharding, self.host_sharding, kv_layout)
+        self.specs = getattr(self.mover, "specs", None)  # per-kind buffers' specs (None for a pool)
         num_groups = len(kv_layout.groups) if kv_layout is not None else len(kv_buffer_specs(model_cfg, page_size))
         self.host_pools = [self.mover.new_host_pool(group, host_slots) for group in range(num_groups)] if host_slots \
             else []

@@ -1,0 +1,28 @@
+"""`agentjax serve --model <HF dir>` with the default settings serves DeepSeek-V4 checkpoints whose heavily
+compressed rate is 32 or 128 (tests/models/data/deepseek-v4-rates-*): the official openai client gets a
+completion of token-id prompts (the fixtures ship no tokenizer), and a second request reads the cache."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import running_server
+
+DATA = Path(__file__).parents[1] / "models" / "data"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepseek-v4-rates-4-32", "deepseek-v4-rates-4-128"])
+def test_serve_loads_the_checkpoint_with_the_default_settings_and_completes(name, tmp_path_factory):
+    prompt = [(17 * i) % 500 + 3 for i in range(300)]
+    with running_server(tmp_path_factory, "--model", str(DATA / name)) as server:
+        client = server.openai()
+        model = client.models.list().data[0].id
+        first = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 4
+        again = client.completions.create(model=model, prompt=prompt + [9], max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert again.usage.prompt_tokens_details.cached_tokens >= 256  # whole 128-token entry pages
+        server.assert_healthy()
