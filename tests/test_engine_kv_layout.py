@@ -60,9 +60,9 @@ def test_stats_report_each_page_groups_used_and_reserved_bytes():
 
 def test_a_prompt_storing_0_85_of_the_memory_is_admitted_and_runs_where_shared_ids_refuse_it():
     """Two sliding layers and one full layer: 128 B per token for good, 256 B per token of the window.
-    A prompt storing 0.85 of 1 MB runs on the pool; the shared layout reserves every layer per page."""
-    memory_gb, settings = 1 / 1024, dict(numerics="batch_invariant", max_num_batched_tokens=256)
-    prompt = [(7 * j) % 400 + 5 for j in range(int(0.85 * 2**20 - 2 * 8 * 128) // 128)]
+    A prompt storing 0.85 of 512 KiB runs on the pool; the shared layout reserves every layer per page."""
+    memory_gb, settings = 1 / 2048, dict(numerics="batch_invariant", max_num_batched_tokens=256)
+    prompt = [(7 * j) % 400 + 5 for j in range(int(0.85 * 2**19 - 2 * 8 * 128) // 128)]
     llm = LLM("preset:tiny-sliding", kv_cache_memory_gb=memory_gb, **settings)
     (tokens,) = _serve(llm, [[prompt]])[0]
     assert len(tokens) == GREEDY.max_tokens
