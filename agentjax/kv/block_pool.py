@@ -73,8 +73,13 @@ class BlockPool:
     def capacity_units(self) -> int:
         return self.num_pages - 1
 
-    def page_units(self, pages) -> int:
+    def page_units(self, pages, by_group: bool = False) -> int:
+        """Units of `pages` (with `by_group`: of one page of each group listed)."""
         return len(pages)
+
+    def count_units(self, count: int) -> int:
+        """At most how many units `count` pages of unknown groups weigh."""
+        return count
 
     def free_units_among(self, pages: np.ndarray) -> int:
         return self.count_free_among(pages)

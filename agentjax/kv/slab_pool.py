@@ -75,9 +75,15 @@ class SlabPool(BlockPool):
     def capacity_units(self) -> int:
         return (self.num_slabs - 1) * self.units_per_slab
 
-    def page_units(self, pages) -> int:
+    def page_units(self, pages, by_group: bool = False) -> int:
+        """Units of `pages` (with `by_group`: of one page of each group listed)."""
         pages = np.asarray(pages, dtype=np.int64)
-        return int(self.units_per_page[self.group_of(pages)].sum()) if len(pages) else 0
+        if not len(pages):
+            return 0
+        return int(self.units_per_page[pages if by_group else self.group_of(pages)].sum())
+
+    def count_units(self, count: int) -> int:
+        return count * int(self.units_per_page.max())
 
     def free_units_among(self, pages: np.ndarray) -> int:
         pages = np.asarray(pages, dtype=np.int64)

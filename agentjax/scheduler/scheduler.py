@@ -91,7 +91,7 @@ class Scheduler:
         # Recurrent states are saved at these token boundaries: prefill chunks end on them.
         self.checkpoint_tokens = min((g.tokens_per_page for g in kv.plan.groups if g.spec.hit_rule == "checkpoint"),
                                      default=0)
-        self.watermark_blocks = int(watermark * kv.pool.num_pages)
+        self.watermark_blocks = int(watermark * (kv.capacity_units + 1))  # capacity units (pages of one size)
         self.running: list[Request] = []
         self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, arrival_index, request)
         self.step_index = 0
@@ -368,8 +368,7 @@ class Scheduler:
         if not kv.can_allocate(tokens, request.cache_salt, num_reserved_tokens=reserved):
             request.num_computed_tokens = 0
             return 0
-        new_pages = -(-len(tokens) // kv.block_size) - hit // kv.block_size
-        if self.running and kv.num_free_blocks - new_pages < self.watermark_blocks:
+        if self.running and kv.num_free_blocks - kv.new_units(len(tokens), hit) < self.watermark_blocks:
             request.num_computed_tokens = 0
             return 0
         if not kv.allocate(request.request_id, tokens, request.cache_salt, num_reserved_tokens=reserved):
