@@ -19,8 +19,9 @@ def pool_unsupported(layout, engine_cfg) -> str | None:
     for kind in layout.kinds:
         if kind.cell_shape is None:
             return f"its {kind.role} kind has no device format (kv_format fp8_ds_mla)"
-    if not engine_cfg.parallel.is_single_device or engine_cfg.num_processes > 1:
-        return f"the parallel layout {engine_cfg.parallel.name} runs the shared layout"
+    parallel = engine_cfg.parallel
+    if engine_cfg.num_processes > 1 or parallel.data_parallel_size > 1:
+        return f"the parallel layout {parallel.name} runs the shared layout (several processes or data ranks)"
     return None
 
 

@@ -242,8 +242,7 @@ def page_first_cells(kind: DeviceKind, pages: jax.Array) -> jax.Array:
     return kind.cells(pages, 0)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("group",))
-def copy_pool_pages(kv: KVPool, sources: jax.Array, destinations: jax.Array, *, group: int) -> KVPool:
+def move_pool_pages(kv: KVPool, sources: jax.Array, destinations: jax.Array, *, group: int) -> KVPool:
     """Copy page `sources[i]` of `group` onto `destinations[i]`, in order, every kind of the group (a
     page's cells of one kind are consecutive: its slots)."""
     for index in group_kinds(kv, group):
@@ -257,6 +256,9 @@ def copy_pool_pages(kv: KVPool, sources: jax.Array, destinations: jax.Array, *, 
 
         kv = kv.with_view(index, jax.lax.fori_loop(0, sources.shape[0], copy_one, cells))
     return kv
+
+
+copy_pool_pages = jax.jit(move_pool_pages, donate_argnums=(0,), static_argnames=("group",))
 
 
 def gather_group_pages(kv: KVPool, group: int, pages: jax.Array) -> jax.Array:

@@ -63,7 +63,10 @@ def model_config(spec: str):
         from checkpoints.gguf import config_from_metadata, metadata, open_gguf
 
         name = spec.removeprefix("embedded:")
-        return config_from_metadata(metadata(open_gguf(embedded_model_path(name))), name=name)
+        reader = open_gguf(embedded_model_path(name))
+        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = int(max(embedding.shape))  # GGUF lists dims innermost first; the vocabulary is the larger
+        return config_from_metadata(metadata(reader), name=name).replace(vocab_size=vocab)
     from agentjax.models import preset_config
 
     return preset_config(spec.removeprefix("preset:"))
