@@ -221,7 +221,9 @@ def markdown(after: dict, before: dict | None, command: str) -> str:
              "preempts. *Hittable*: the tokens of every session a re-send would find in the prefix cache then, per "
              "GB; *ideal*: the memory over what the model must store for those sessions (every KV tensor, "
              "windows limited to their window, one state per request). *0.85 prompt*: one prompt whose stored "
-             "bytes are 0.85 of the memory, admitted and run. KV in float32 (the CPU dtype).", "",
+             "bytes are 0.85 of the memory, admitted and run. KV in float32 (the CPU dtype)."
+             + (f" *before*: the same measurements on the code at {before['commit']} (`--base-repo`); *after*: "
+                "this checkout." if before else ""), "",
              "| model | code | layout | memory GB | session tokens | sessions held | measured at | hittable tokens/GB "
              "| ideal tokens/GB | hittable / ideal | 0.85 prompt |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -272,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                        env=env, check=True)
         before = json.loads(out.read_text())
         out.unlink()
+        commit = subprocess.run(["git", "-C", str(args.base_repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        before["commit"] = commit or "unknown"
     after = measure()
     command = "python scripts/bench_kv_capacity.py" + (" --base-repo ../i34-base" if before else "")
     text = markdown(after, before, command)
