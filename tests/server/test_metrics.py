@@ -1,0 +1,26 @@
+"""Tests of agentjax/server/metrics.py's page-group gauges: used and reserved bytes, one series per group."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from agentjax.server.metrics import kv_group_metrics
+
+ROWS = [{"group": "kv.0", "used_bytes": 4096, "reserved_bytes": 8192},
+        {"group": "kv.1", "used_bytes": 1024, "reserved_bytes": 8192}]
+
+
+class _Rows:
+    def describe(self):
+        return []
+
+    def collect(self):
+        return kv_group_metrics(ROWS)
+
+
+def test_each_page_group_gets_a_used_and_a_reserved_bytes_series():
+    registry = CollectorRegistry()
+    registry.register(_Rows())
+    text = generate_latest(registry).decode()
+    assert 'agentjax:kv_group_used_bytes{group="kv.0"} 4096.0' in text
+    assert 'agentjax:kv_group_used_bytes{group="kv.1"} 1024.0' in text
+    assert 'agentjax:kv_group_reserved_bytes{group="kv.0"} 8192.0' in text
