@@ -17,7 +17,7 @@ DATA = Path(__file__).parents[1] / "models" / "data"
 def test_serve_loads_the_checkpoint_with_the_default_settings_and_completes(name, tmp_path_factory):
     prompt = [(17 * i) % 500 + 3 for i in range(300)]
     with running_server(tmp_path_factory, "--model", str(DATA / name)) as server:
-        client = server.openai()
+        client = server.openai().with_options(timeout=900)  # the first request compiles the model's steps
         model = client.models.list().data[0].id
         first = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
                                           extra_body={"ignore_eos": True})
