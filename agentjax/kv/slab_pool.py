@@ -16,6 +16,7 @@ import numpy as np
 from agentjax.errors import OutOfPagesError
 from agentjax.kv.block_pool import NULL_PAGE, BlockPool
 from agentjax.kv.eviction import EvictionOrder
+from agentjax.kv.slab_choice import densest_free, reclaimable, take_older_slabs
 
 FREE_SLAB, NULL_SLAB = -1, -2
 
@@ -159,12 +160,13 @@ class SlabPool(BlockPool):
             raise OutOfPagesError("a slab pool allocates the pages of one group at a time; pass group=")
         counts = [0] * len(self.pages_per_slab)
         counts[group] = count
-        return self._take(counts, evicted, moves)[group]
+        return self._take(counts, evicted, moves)[0][group]
 
-    def _take(self, counts: list[int], evicted: list | None, moves: list | None) -> list[np.ndarray]:
+    def _take(self, counts: list[int], evicted: list | None, moves: list | None
+              ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """First every slab conversion the groups need (and those they prefer while slabs are spare),
-        then each group's pages from its own free pages: no group's pages break the whole free slab
-        another group of the same admission counted on."""
+        then each group's pages from its own free pages, so no group's pages break the whole free slab
+        another group of the same admission counted on: (pages per group, their free-order positions)."""
         self.version += 1
         spare = [self.spare_slabs(dict(enumerate(counts)))]
         if spare[0] < 0:
@@ -172,7 +174,11 @@ class SlabPool(BlockPool):
         for group, count in enumerate(counts):
             if count:
                 self._make_room(group, count, evicted, moves, spare, counts)
-        return [self._pop(group, count, evicted) for group, count in enumerate(counts)]
+        pages, positions = [], []
+        for group, count in enumerate(counts):
+            pages.append(self._pop(group, count, evicted))
+            positions.append(self._last_positions if count else None)
+        return pages, positions
 
     def _make_room(self, group: int, count: int, evicted: list | None, moves: list | None,
                    spare: list[int], counts: list[int]) -> None:
@@ -184,12 +190,12 @@ class SlabPool(BlockPool):
             while empty < count and self.num_unowned and (spare[0] > 0 or self.group_free[group] < count):
                 if self.group_free[group] >= count:
                     spare[0] -= 1
-                self._convert(int(np.flatnonzero(self.slab_owner == FREE_SLAB)[0]), group, evicted, moves)
+                self.convert_slab(int(np.flatnonzero(self.slab_owner == FREE_SLAB)[0]), group, evicted, moves)
                 empty += k
         while self.group_free[group] < count:
-            self._convert(self._reclaimable(group, counts), group, evicted, moves)
+            self.convert_slab(reclaimable(self, group, counts), group, evicted, moves)
         if not self.num_unowned:
-            self._take_older_slabs(group, count, evicted, moves, spare, counts)
+            take_older_slabs(self, group, count, evicted, moves, spare, counts)
 
     def _pop(self, group: int, count: int, evicted: list | None) -> np.ndarray:
         if count == 0:
@@ -197,7 +203,7 @@ class SlabPool(BlockPool):
         start, stop = self.group_range(group)
         order = self.eviction_order
         if self.bounded[group]:
-            pages = self._densest_free(group, count)
+            pages = densest_free(self, group, count)
             self._last_positions = order.positions(pages)
             forget = getattr(order, "on_reclaimed", None)
             if forget is not None:
@@ -214,22 +220,6 @@ class SlabPool(BlockPool):
         pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self._last_positions = positions[0] if len(positions) == 1 else np.concatenate(positions)
         return self._took(pages, evicted)
-
-    def _densest_free(self, group: int, count: int) -> np.ndarray:
-        """`count` free pages of a bounded group: unpinned first; while free slabs remain, empty before
-        cached; then in the slabs with the most held pages (so the others drain whole and can change
-        hands), then freed longest ago."""
-        start, stop = self.group_range(group)
-        k = int(self.pages_per_slab[group])
-        ids = np.arange(start, stop, dtype=np.int64)
-        slabs = (ids - start) // k
-        free = ids[(self.ref_counts[start:stop] == 0) & (self.slab_owner[slabs] == group)]
-        pinned = getattr(self.eviction_order, "pinned_mask", None)
-        cached, density = self.page_group[free] >= 0, -self.slab_held[(free - start) // k]
-        keys = (self.free_stamp[free], cached, density) if not self.num_unowned else \
-            (self.free_stamp[free], density, cached)
-        keys += (pinned(free) if pinned is not None else np.zeros(len(free), dtype=bool),)
-        return free[np.lexsort(keys)[:count]].astype(np.int32)
 
     def _took(self, pages: np.ndarray, evicted: list | None) -> np.ndarray:
         count = len(pages)
@@ -255,61 +245,7 @@ class SlabPool(BlockPool):
         start, stop = self.group_range(group)
         return int(np.count_nonzero((self.ref_counts[start:stop] == 0) & (self.page_group[start:stop] < 0)))
 
-    def _reclaimable(self, group: int, counts: list[int] | None = None, fallback: bool = True) -> int:
-        """The whole free slab of another group to take first: without pins, then without cached blocks,
-        then the one freed longest ago; never one that a group needs for its `counts` pages."""
-        best, best_key = -1, None
-        pinned = getattr(self.eviction_order, "pinned_mask", None)
-        for other in range(len(self.pages_per_slab)):
-            if other == group:
-                continue
-            if counts is not None and self.group_free[other] - self.pages_per_slab[other] < counts[other]:
-                continue
-            slabs = np.flatnonzero((self.slab_owner == other) & (self.slab_held == 0))
-            if not len(slabs):
-                continue
-            k = int(self.pages_per_slab[other])
-            ids = int(self.bases[other]) + slabs[:, None] * k + np.arange(k)[None, :]
-            keys = np.stack([pinned(ids).any(axis=1) if pinned is not None else np.zeros(len(slabs), bool),
-                             (self.page_group[ids] >= 0).any(axis=1), self.free_stamp[ids].max(axis=1)], axis=1)
-            first = np.lexsort(keys.T[::-1])[0]
-            key = tuple(keys[first].tolist())
-            if best_key is None or key < best_key:
-                best, best_key = int(slabs[first]), key
-        if best < 0:
-            if counts is not None and fallback:
-                return self._reclaimable(group)
-            raise OutOfPagesError(f"no slab can be given to KV group {group}")
-        return best
-
-    def _take_older_slabs(self, group: int, count: int, evicted: list | None, moves: list | None,
-                          spare: list[int], counts: list[int]) -> None:
-        """Under pressure: while a whole free slab of another group was freed before the oldest cached
-        free page of `group` and `group`'s empty pages do not cover `count`, take that slab instead
-        (at most `spare[0]` slabs)."""
-        start, stop = self.group_range(group)
-        free = (self.ref_counts[start:stop] == 0)
-        cached = free & (self.page_group[start:stop] >= 0)
-        empty = int(np.count_nonzero(free & ~cached))
-        if empty >= count or not cached.any():
-            return
-        oldest_own = int(self.free_stamp[start:stop][cached].min())
-        while empty < count and spare[0] > 0:
-            whole = self.whole_free_slabs()
-            if whole.sum() - whole[group] == 0:
-                return
-            try:
-                slab = self._reclaimable(group, counts, fallback=False)
-            except OutOfPagesError:
-                return
-            owner = int(self.slab_owner[slab])
-            if int(self.free_stamp[self.slab_pages(slab, owner)].max()) >= oldest_own:
-                return
-            self._convert(slab, group, evicted, moves)
-            spare[0] -= 1
-            empty += int(self.pages_per_slab[group])
-
-    def _convert(self, slab: int, group: int, evicted: list | None, moves: list | None) -> None:
+    def convert_slab(self, slab: int, group: int, evicted: list | None, moves: list | None) -> None:
         """Give `slab` (free, or wholly free in another group) to `group`; its cached blocks are evicted."""
         old = int(self.slab_owner[slab])
         old_pages, positions, blocks = np.zeros(0, dtype=np.int64), None, []
@@ -369,27 +305,15 @@ class SlabPool(BlockPool):
 
     def take(self, counts: list[int], evicted: list | None = None, moves: list | None = None
              ) -> tuple[list[list[int]], list[np.ndarray], list[np.ndarray]]:
-        self.version += 1
-        spare = [self.spare_slabs(dict(enumerate(counts)))]
-        if spare[0] < 0:
-            raise OutOfPagesError(f"need {counts} free KV pages per group; the pool cannot free them")
-        for group, count in enumerate(counts):
-            if count:
-                self._make_room(group, count, evicted, moves, spare, counts)
-        out, taken, positions = [], [], []
-        for group, count in enumerate(counts):
-            pages = self._pop(group, count, evicted)
-            out.append(pages.tolist())
-            if count:
-                taken.append(pages)
-                positions.append(self._last_positions)
-        return out, taken, positions
+        pages, positions = self._take(counts, evicted, moves)
+        taken = [(p, q) for p, q in zip(pages, positions) if len(p)]
+        return [p.tolist() for p in pages], [p for p, _ in taken], [q for _, q in taken]
 
     def allocate_pages(self, groups: Sequence[int]) -> np.ndarray:
         """One page for each entry of `groups` (a load's transfers), in that order."""
         groups = np.asarray(groups, dtype=np.int64)
         counts = np.bincount(groups, minlength=len(self.pages_per_slab)).tolist()
-        pages = self._take(counts, None, None)
+        pages, _ = self._take(counts, None, None)
         out = np.zeros(len(groups), dtype=np.int32)
         for group, taken in enumerate(pages):
             out[groups == group] = taken
