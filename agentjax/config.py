@@ -282,6 +282,10 @@ class EngineConfig:
     mooncake_master: str | None = None  # HOST:PORT of a Mooncake Store master
     mooncake_segment_gb: float = 1.0  # memory this engine lends to the Mooncake pool
     kv_offload_retention: str = "interval"  # which blocks a turn stores: interval or marconi
+    # Tokens between saved recurrent states (Kimi's KDA), a multiple of block_size; a prefix hit resumes
+    # from the last one at or before the shared prefix. None: the model's cost-aware choice
+    # (agentjax.kv.cache_layout.checkpoint_tokens).
+    state_checkpoint_tokens: int | None = None
     # The KV policy (agentjax.kv.policies.engine_policy) that orders evictions and hears every session
     # turn's end with its agent hints: "hints" (session pins, next use expected farthest first), "lru", "marconi".
     kv_policy: str = "hints"
@@ -328,6 +332,10 @@ class EngineConfig:
         if self.kv_offload_retention not in ("interval", "marconi"):
             raise InvalidRequestError(
                 f"kv_offload_retention must be 'interval' or 'marconi', got {self.kv_offload_retention!r}")
+        if self.state_checkpoint_tokens is not None and (
+                self.state_checkpoint_tokens < 1 or self.state_checkpoint_tokens % self.block_size):
+            raise InvalidRequestError(f"state_checkpoint_tokens must be a positive multiple of block_size="
+                                      f"{self.block_size}, got {self.state_checkpoint_tokens}")
         if self.kv_layout not in ("auto", "pool", "shared"):
             raise InvalidRequestError(f"kv_layout must be 'auto', 'pool' or 'shared', got {self.kv_layout!r}")
         if self.kv_policy not in ("lru", "hints", "marconi"):

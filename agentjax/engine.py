@@ -397,6 +397,7 @@ class Engine:
             "kv_usage": kv.get("used_blocks", total - free) / total,
             "prefix_query_tokens": kv.get("queries", 0),
             "prefix_hit_tokens": kv.get("hits", 0),
+            "prefix_turn_end_hit_tokens": kv.get("turn_end_hits", 0),
             "prompt_tokens_total": self.metrics.prompt_tokens_total,
             "prompt_tokens_computed_total": self.metrics.prompt_tokens_computed,
             "generation_tokens_total": self.metrics.generation_tokens_total,

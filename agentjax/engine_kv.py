@@ -35,7 +35,8 @@ def engine_kv_layout(model_cfg, engine_cfg, draft_cfg=None):
         else:
             memory = int(engine_cfg.kv_cache_memory_gb * 2**30)
         try:
-            pool = build_layout(model_cfg, block, memory_bytes=memory, draft_cfg=draft_cfg)
+            pool = build_layout(model_cfg, block, memory_bytes=memory, draft_cfg=draft_cfg,
+                                checkpoint_interval=engine_cfg.state_checkpoint_tokens)
             reason = pool_unsupported(pool, engine_cfg)
         except InvalidRequestError as error:
             if engine_cfg.kv_layout == "pool":
@@ -47,7 +48,8 @@ def engine_kv_layout(model_cfg, engine_cfg, draft_cfg=None):
             raise InvalidRequestError(f"kv_layout='pool' is not available for model {model_cfg.name!r}: {reason}")
         logger.info("KV memory: the shared layout (%s)", reason)
     num_pages = engine_cfg.num_kv_blocks or _legacy_pages(model_cfg, draft_cfg, engine_cfg)
-    return build_layout(model_cfg, block, num_pages=num_pages, mode="shared", draft_cfg=draft_cfg)
+    return build_layout(model_cfg, block, num_pages=num_pages, mode="shared", draft_cfg=draft_cfg,
+                        checkpoint_interval=engine_cfg.state_checkpoint_tokens)
 
 
 def _shared_page_bytes(model_cfg, draft_cfg, block: int) -> int:

@@ -120,6 +120,10 @@ class KVMemoryLayout:
         """Groups whose batch table is a request's running state page (and its draft states)."""
         return tuple(g.group for g in self.groups if g.hit_rule == "checkpoint")
 
+    def state_interval(self) -> int:
+        """Tokens between saved recurrent states (0: the model keeps none)."""
+        return min((g.tokens_per_page for g in self.groups if g.hit_rule == "checkpoint"), default=0)
+
     def group_of_kind(self, kind: int) -> int:
         return self.kinds[kind].group
 

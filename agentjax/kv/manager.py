@@ -53,6 +53,8 @@ from agentjax.kv.groups import CheckpointGroup, GroupManager, GroupTable, make_g
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
 from agentjax.kv.slab_pool import SlabPool
+from agentjax.kv.state_saves import cache_saves, pool_has_room, reserve_saves
+from agentjax.kv.turn_ends import TurnEnds, save_turn_end, tail_hit, takes_turn_ends
 from agentjax.kv.specs import FullAttentionSpec, KVGroupPlan, KVSpec, plan_groups, specs_from_model_config
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,9 @@ class KVCacheManager:
         # Prefix groups first: full attention sets the upper bound, the others only shrink it.
         self._hit_order = sorted(self.groups, key=lambda g: g.group.spec.hit_rule != "prefix")
         self._memo = PrefixHashMemo(self.block_size)
+        # End-of-turn states and partial pages, hittable by the next turn (agentjax/kv/turn_ends.py).
+        self.turn_ends = TurnEnds(self.block_size, self.pool.num_pages) if (
+            enable_caching and takes_turn_ends(managers)) else None
         self._roots: dict[str | None, BlockHash] = {}
         self._requests: dict[str, RequestKV] = {}
         self._last_prepared: tuple | None = None
@@ -93,6 +98,10 @@ class KVCacheManager:
         self._uncommitted_with_copies: set[str] = set()
         self.queries = self.hits = self.lookups = 0
         self.rollbacks = 0
+        # Prompt tokens each group alone could serve (the hit is the least: where hits are lost), and the
+        # tokens served through a turn end's state.
+        self.group_hits = [0] * len(managers)
+        self.turn_end_hits = 0
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -157,16 +166,28 @@ class KVCacheManager:
                 prepared = last[4]
             else:
                 tokens, hashes = last[4][:2]
-                prepared = (tokens, hashes, *self._find_hit_or_none(hashes, len(tokens)))
+                prepared = (tokens, hashes, *self._hit(tokens, hashes, cache_salt))
             self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
             return prepared
         tokens = tokens_as_uint32(token_ids)
         if len(tokens) == 0:
             raise InvalidRequestError("token_ids is empty; a request needs at least one token")
         hashes = self._memo.hashes(tokens, self._root(cache_salt)) if self.enable_caching else []
-        prepared = (tokens, hashes, *self._find_hit_or_none(hashes, len(tokens)))
+        prepared = (tokens, hashes, *self._hit(tokens, hashes, cache_salt))
         self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
         return prepared
+
+    def _hit(self, tokens: np.ndarray, hashes: list[BlockHash], cache_salt: str | None) -> tuple[int, list]:
+        """The hit and its pages per group, through a turn end where that hits more (the returned list
+        then carries `tails`: the partial pages to copy, see agentjax/kv/turn_ends.py)."""
+        hit, reuse = self._find_hit_or_none(hashes, len(tokens))
+        if self.turn_ends is not None:
+            longer, tail_reuse, tails = tail_hit(self, tokens, hashes, self._root(cache_salt), hit, reuse)
+            if longer > hit:
+                reuse = HitPages(tail_reuse)
+                reuse.tails = tails
+                return longer, reuse
+        return hit, reuse
 
     def _find_hit_or_none(self, hashes: list[BlockHash], num_tokens: int) -> tuple[int, list]:
         """`_find_hit`, or no hit at all when prefix caching is off."""
@@ -268,10 +289,20 @@ class KVCacheManager:
             else:
                 table = group.build_table(start, pages, new_pages)
             tables.append(table)
+        for group_id, source in getattr(reuse, "tails", ()):  # a turn end's partial page: a copy of its own
+            copy = (group_id, source, tables[group_id].pages[len(reuse[group_id][0])])
+            self._pending_copies.append(copy)
+            self._pending_copy_sources.append(source)
+            undo.copies.append(copy)
+            undo.copy_sources.append(source)
+            self._uncommitted_with_copies.add(req_id)
         request = RequestKV(req_id, TokenBuffer(tokens), self._root(cache_salt), list(hashes), tables, hit, undo=undo)
         self._requests[req_id] = request
         self.queries += len(tokens)
         self.hits += hit
+        undo.group_hits = self._count_group_hits(hashes, len(tokens), hit)
+        undo.turn_end_hit = hit if getattr(reuse, "tails", None) is not None else 0
+        self.turn_end_hits += undo.turn_end_hit
         if self.cache_on_allocate:
             self._cache_blocks(request, len(tokens))
         return True
@@ -311,6 +342,38 @@ class KVCacheManager:
         self._grow_tables(request, growth)
         return True
 
+    def reserve_state_saves(self, req_id: str, start: int, end: int) -> int:
+        """Pages for the recurrent states at the checkpoints strictly inside the chunk of tokens
+        [start, end) the device runs next (`agentjax/kv/state_saves.py`); `cache_blocks` caches them
+        once it ran. Best effort: a checkpoint no page is free for is skipped. Returns pages taken."""
+        request = self._request(req_id)
+        if not self.enable_caching or end - start < 2:
+            return 0
+        self._extend_hashes(request, end)
+        taken = 0
+        for group, table in zip(self.groups, request.tables):
+            if isinstance(group, CheckpointGroup):
+                taken += reserve_saves(group, table, group.page_keys(request.hashes), start, end, self.pool)
+        if taken:
+            request.undo = None  # pages taken outside the admission: no exact undo any more
+        return taken
+
+    def _count_group_hits(self, hashes: list[BlockHash], num_tokens: int, hit: int) -> list[int]:
+        """Add to `group_hits` what each group alone could serve of a prompt (at least the hit)."""
+        if not self.enable_caching or not hashes:
+            return [0] * len(self.groups)
+        alone = [max(hit, g.find_hit(g.page_keys(hashes), num_tokens - 1, num_tokens - 1)) for g in self.groups]
+        self.group_hits = [total + mine for total, mine in zip(self.group_hits, alone)]
+        return alone
+
+    def end_turn(self, req_id: str, num_computed_tokens: int) -> bool:
+        """The request's turn is over after `num_computed_tokens` tokens went through the model: keep its
+        state there hittable for the next turn (agentjax/kv/turn_ends.py). Call before `free`."""
+        request = self._request(req_id)
+        if request.undo is not None or not self.enable_caching:
+            return False
+        return save_turn_end(self, request, num_computed_tokens)
+
     def _can_grow(self, growth: list[int]) -> bool:
         if self.pool.num_groups_share_ids:
             return sum(growth) <= self.pool.num_free
@@ -333,7 +396,7 @@ class KVCacheManager:
         released: list[int] = []
         for group, table in zip(self.groups, request.tables):
             if isinstance(group, CheckpointGroup):
-                if len(table.pages) > 1:
+                if len(table.pages) > 1 and not table.save_points:  # save pages leave in cache_blocks
                     kept = table.pages[min(accepted_drafts, len(table.pages) - 1)]
                     released += [page for page in table.pages if page != kept]
                     table.pages = [kept]
@@ -365,6 +428,7 @@ class KVCacheManager:
             for group, table in zip(self.groups, request.tables):
                 keys = group.page_keys(request.hashes)
                 if isinstance(group, CheckpointGroup):
+                    cache_saves(group, table, keys, num_computed_tokens, self.pool)
                     if self._save_checkpoint(group, table, keys, num_computed_tokens):
                         request.undo = None  # a page went through the free set: no exact undo any more
                 else:
@@ -382,7 +446,7 @@ class KVCacheManager:
         if key is None or num_computed <= table.last_checkpoint:
             return False
         table.last_checkpoint = num_computed
-        if not (self.pool.num_free if self.pool.num_groups_share_ids else self.pool.can_take({group.group_id: 1})):
+        if not pool_has_room(self.pool, group.group_id):
             logger.debug("no free page for a checkpoint at %d tokens; skipped", num_computed)
             return False
         page = int(self.pool.allocate(1, group=group.group_id)[0])
@@ -458,6 +522,9 @@ class KVCacheManager:
         pool.restore_free(undo.reused_pages, undo.reused_positions)
         self.queries -= undo.num_tokens
         self.hits -= undo.num_hit
+        if undo.group_hits:
+            self.group_hits = [total - mine for total, mine in zip(self.group_hits, undo.group_hits)]
+        self.turn_end_hits -= undo.turn_end_hit
         self.rollbacks += 1
 
     # -- session and branch pins -----------------------------------------------------------------
@@ -621,6 +688,8 @@ class KVCacheManager:
             "blocks_hashed": self._memo.blocks_hashed, "blocks_hash_reused": self._memo.blocks_reused,
             "rollbacks": self.rollbacks, "pinned_blocks": pinned, "pinned_free_blocks": pinned_free,
             "pinned_evictions": getattr(pool.eviction_order, "pinned_evictions", 0),
+            "group_hits": list(self.group_hits), "turn_end_hits": self.turn_end_hits,
+            "turn_ends_saved": self.turn_ends.saved if self.turn_ends is not None else 0,
         }
 
     def check_invariants(self) -> None:
@@ -640,10 +709,19 @@ class KVCacheManager:
 
 
 def _flat_pages(reuse: list) -> np.ndarray:
-    """The pages of every group's (pages, start) in one int64 array (converted in C, not page by page)."""
-    if len(reuse) == 1:
+    """The pages of every group's (pages, start) in one int64 array (converted in C, not page by page),
+    and the partial pages a turn-end hit copies."""
+    tails = [page for _, page in getattr(reuse, "tails", ())]
+    if len(reuse) == 1 and not tails:
         return np.asarray(reuse[0][0], dtype=np.int64)
-    return np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in reuse])
+    return np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in reuse] + [np.asarray(tails, np.int64)])
+
+
+class HitPages(list):
+    """Per group (cached pages, table start) of a hit, and `tails`: (group, partial page) copies a
+    turn-end hit makes into the group's first new page."""
+
+    tails: list[tuple[int, int]] = []
 
 
 def _remove_last(items: list, value) -> None:

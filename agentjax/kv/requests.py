@@ -48,6 +48,8 @@ class AdmissionUndo:
     slab_moves: list[tuple] = field(default_factory=list)  # slabs a SlabPool gave to another group
     num_tokens: int = 0  # counted in the manager's queries
     num_hit: int = 0  # counted in its hits
+    group_hits: list[int] = field(default_factory=list)  # counted in its group_hits
+    turn_end_hit: int = 0  # counted in its turn_end_hits
 
 
 @dataclass

@@ -13,7 +13,8 @@ from agentjax.kv.block_pool import NULL_PAGE
 
 def group_memory(manager) -> list[dict]:
     """Per page group of `manager` (built `from_layout`): name, tokens per page, page bytes, pages held
-    by requests, cached free pages, used and reserved bytes. [] without a layout."""
+    by requests, cached free pages, used and reserved bytes, and the prompt tokens the group alone
+    could have served from its cache (`hit_tokens`). [] without a layout."""
     layout = manager.layout
     if layout is None:
         return []
@@ -35,5 +36,6 @@ def group_memory(manager) -> list[dict]:
         page = layout.page_bytes(g)
         rows.append({"group": names[g], "tokens_per_page": group.tokens_per_page, "page_bytes": page,
                      "held_pages": int(held[g]), "cached_pages": int(cached[g]),
-                     "used_bytes": int((held[g] + cached[g]) * page), "reserved_bytes": int(reserved[g])})
+                     "used_bytes": int((held[g] + cached[g]) * page), "reserved_bytes": int(reserved[g]),
+                     "hit_tokens": int(manager.group_hits[g])})
     return rows

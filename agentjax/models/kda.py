@@ -134,6 +134,7 @@ class KimiDeltaAttention(nnx.Module):
             batch_invariant=numerics == "batch_invariant",
             impl=self.impl,
             draft_states=draft_states,
+            state_saves=_interval_state_pages(batch, table, state_pages.shape[1]),
         )
         gate = self.g_proj(x, numerics) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x, numerics), numerics)
         gate = gate.reshape(tokens, self.num_heads, self.head_dim)
@@ -153,3 +154,15 @@ def _draft_state_pages(batch: RaggedBatch, table: Array, num_pages: int) -> tupl
     page = jnp.take_along_axis(table[rows], jnp.clip(offsets, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
     saved = (offsets >= 0) & drafting[rows] & (offsets < table.shape[1])
     return batch.logits_indices, rows, jnp.where(saved, page, num_pages)
+
+
+def _interval_state_pages(batch: RaggedBatch, table: Array, num_pages: int) -> tuple[Array, Array] | None:
+    """`(token index, page)` per recurrent-state checkpoint inside this step's prefill chunks: the page in
+    column `state_save_cols` of the token's row's state `table`; `num_pages` (not saved) for padding."""
+    if batch.state_save_tokens is None:
+        return None
+    tokens, columns = batch.state_save_tokens, batch.state_save_cols
+    rows = batch.seq_ids[jnp.clip(tokens, 0, batch.num_tokens - 1)]
+    page = table[rows, jnp.clip(columns, 0, table.shape[1] - 1)]
+    saved = (columns > 0) & (columns < table.shape[1]) & (tokens < batch.num_tokens)
+    return tokens, jnp.where(saved, page, num_pages)

@@ -22,7 +22,7 @@ import numpy as np
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool, copy_pool_pages, new_pool
-from agentjax.ragged_batch import RaggedBatch, bucket
+from agentjax.ragged_batch import STATE_SAVE_BUCKETS, RaggedBatch, bucket
 from agentjax.runner.compilation_cache import enable_compilation_cache
 from agentjax.runner.drafters import SpecInputs
 from agentjax.runner.extras import StepExtras, penalty_inputs, prompt_logprob_inputs
@@ -76,6 +76,7 @@ class ModelRunner:
         self.drafter = make_drafter(cfg, drafting, numerics, page_size, kv_layout) if drafting is not None else None
         self.kv_pages = self._new_kv_pages()
         self.state_groups = kv_layout.state_groups() if pooled else state_group_ids(cfg)
+        self.state_interval = kv_layout.state_interval() if kv_layout is not None else 0
         self._steps = {
             True: make_sampling_step(cfg, numerics, greedy_only=True, drafter=self.drafter),
             False: make_sampling_step(cfg, numerics, greedy_only=False, drafter=self.drafter),
@@ -189,13 +190,16 @@ class ModelRunner:
         """The compiled shape: a step that samples more positions than rows (speculative decoding)
         adds its sample count."""
         key = (*batch.shape_key(), greedy_only)
+        if batch.state_save_tokens is not None and len(batch.state_save_tokens) > STATE_SAVE_BUCKETS[0]:
+            key = (*key, ("state saves", len(batch.state_save_tokens)))
         return key if batch.num_samples == batch.num_seqs else (*key, ("samples", batch.num_samples))
 
     def _prepare(self, rows, sampling, token_bitmask, kv_copies, sample_counts=None
                  ) -> tuple[RaggedBatch, SamplingMetadata, bool]:
         if kv_copies:
             self.copy_pages(kv_copies)
-        batch = RaggedBatch.build(rows, self.page_sizes, state_groups=self.state_groups, sample_counts=sample_counts)
+        batch = RaggedBatch.build(rows, self.page_sizes, state_groups=self.state_groups, sample_counts=sample_counts,
+                                  state_interval=self.state_interval)
         greedy_only = all(s[0] == 0.0 for s in sampling)
         meta = SamplingMetadata.greedy(batch.num_samples, self.cfg.vocab_size)
         if token_bitmask is not None:

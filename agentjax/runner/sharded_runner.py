@@ -82,6 +82,7 @@ class ShardedModelRunner(ModelRunner):
         self.page_sizes = kv_layout.tokens_per_page() if pooled else page_size
         self.kv_pages = self.sharded.new_kv_pages(num_pages, page_size, kv_layout)
         self.state_groups = kv_layout.state_groups() if pooled else state_group_ids(cfg)
+        self.state_interval = kv_layout.state_interval() if kv_layout is not None else 0
         data_ranks = parallel.data_parallel_size
         self._steps = {g: self._sampling_step(g) for g in (True, False)} if data_ranks == 1 else {}
         self.compiled_shapes: set[tuple] = set()
@@ -126,7 +127,7 @@ class ShardedModelRunner(ModelRunner):
         tokens_bucket = bucket(max(sum(len(row[0]) for row in r) for r in rows), _token_buckets())
         seqs_bucket = bucket(max(len(r) for r in rows), _seq_buckets())
         batches = [RaggedBatch.build(r, self.page_sizes, state_groups=self.state_groups, token_buckets=(tokens_bucket,),
-                                     seq_buckets=(seqs_bucket,)) for r in rows]
+                                     seq_buckets=(seqs_bucket,), state_interval=self.state_interval) for r in rows]
         batches = _common_page_tables(batches)
         greedy_only = all(s[0] == 0.0 for per_rank in sampling for s in per_rank)
         metas = [_sampling_metadata(s, seqs_bucket, self.cfg.vocab_size, greedy_only) for s in sampling]
@@ -207,10 +208,16 @@ def _seq_buckets():
 
 
 def _common_page_tables(batches: list[RaggedBatch]) -> list[RaggedBatch]:
-    """Pad every rank's page tables to the widest rank's (0-padded, like `RaggedBatch.build`)."""
+    """Pad every rank's page tables and state saves to the widest rank's (0-padded and past the tokens,
+    like `RaggedBatch.build`)."""
     widths = [max(b.page_indices[g].shape[1] for b in batches) for g in range(batches[0].num_groups)]
+    saves = max(len(b.state_save_tokens) for b in batches)
     return [b.replace(page_indices=tuple(np.pad(t, ((0, 0), (0, w - t.shape[1]))) for t, w in
-                                         zip(b.page_indices, widths))) for b in batches]
+                                         zip(b.page_indices, widths)),
+                      state_save_tokens=np.pad(b.state_save_tokens, (0, saves - len(b.state_save_tokens)),
+                                               constant_values=b.num_tokens),
+                      state_save_cols=np.pad(b.state_save_cols, (0, saves - len(b.state_save_cols))))
+            for b in batches]
 
 
 def _sampling_metadata(sampling, rows: int, vocab_size: int, greedy_only: bool) -> SamplingMetadata:

@@ -143,6 +143,8 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.forget(request.request_id)
         if holds_pages:
+            if request.num_computed_tokens > 0:  # the next turn may resume from where this one stopped
+                self.kv.end_turn(request.request_id, request.num_computed_tokens)
             self.kv.free(request.request_id)
 
     # -- one step --------------------------------------------------------------------------------
@@ -288,6 +290,9 @@ class Scheduler:
         if self.config.trim_prefill_to_buckets:
             self._trim_to_bucket(out)
         for item in out.scheduled:
+            if self.checkpoint_tokens and item.is_prefill:  # the states at checkpoints inside the chunk
+                start = item.request.num_computed_tokens
+                self.kv.reserve_state_saves(item.request.request_id, start, start + item.num_new_tokens)
             item.page_tables = self.kv.block_ids(item.request.request_id)
         out.kv_copies = self.kv.take_pending_copies()
         if self.offload is not None:

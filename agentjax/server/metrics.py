@@ -23,6 +23,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 ENGINE_COUNTERS = (
     ("agentjax:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_query_tokens"),
     ("agentjax:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hit_tokens"),
+    ("agentjax:prefix_cache_turn_end_hits", "Prompt tokens found in the prefix cache through the recurrent "
+     "state a previous turn ended with.", "prefix_turn_end_hit_tokens"),
     ("agentjax:prompt_tokens", "Prompt tokens processed (once for a request's n samples).",
      "prompt_tokens_total"),
     ("agentjax:prompt_tokens_computed", "Prompt tokens run through the model (not read from the prefix cache).",
@@ -73,13 +75,21 @@ class _EngineCollector:
 
 
 def kv_group_metrics(groups: list[dict]):
-    """`agentjax:kv_group_*_bytes` gauges from `Engine.stats()["kv_groups"]`, labelled by page group."""
+    """`agentjax:kv_group_*_bytes` gauges and `agentjax:prefix_cache_group_hits` counters from
+    `Engine.stats()["kv_groups"]`, labelled by page group."""
     for key, help_text in (("used_bytes", "KV bytes a page group holds: running requests' pages and cached pages."),
                            ("reserved_bytes", "KV bytes the memory layout sets aside for a page group.")):
         family = GaugeMetricFamily(f"agentjax:kv_group_{key}", help_text, labels=["group"])
         for group in groups:
             family.add_metric([group["group"]], float(group[key]))
         yield family
+    hits = CounterMetricFamily("agentjax:prefix_cache_group_hits",
+                               "Prompt tokens a page group alone could serve from the prefix cache (a hit is "
+                               "the least over the groups: a group below the others is where hits are lost).",
+                               labels=["group"])
+    for group in groups:
+        hits.add_metric([group["group"]], float(group.get("hit_tokens", 0)))
+    yield hits
 
 
 # (metric name, help, key in Engine.stats()["spec_decode"]): vLLM's spec_decode_* counters
