@@ -92,7 +92,7 @@ def kimi_reference(kimi):
 @pytest.mark.parametrize("tier", TIERS)
 def test_kimi_conversation_with_recurrent_state_from_each_tier_is_token_exact(kimi, kimi_reference, tier, tmp_path,
                                                                               request):
-    engine = make_engine(*kimi, **_tier_settings(tier, tmp_path, request))
+    engine = make_engine(*kimi, state_checkpoint_tokens=64, **_tier_settings(tier, tmp_path, request))
     replies, cached, computed = run_conversation(engine, KIMI_FIRST, KIMI_FOLLOW_UPS)
     assert replies == kimi_reference
     assert cached == expected_hits(computed, checkpoint=64) == [0, 128, 192]  # the last state checkpoints

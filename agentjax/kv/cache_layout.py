@@ -63,6 +63,25 @@ def checkpoint_tokens(block_size: int, requested: int | None = None) -> int:
     return -(-tokens // block_size) * block_size
 
 
+def cost_aware_checkpoint_tokens(cfg, block_size: int) -> int:
+    """The default interval between saved recurrent states of `cfg`: the fewest tokens (a whole number of
+    pages, at least DEFAULT_CHECKPOINT_TOKENS) whose prefix KV (attention K/V, MLA latents, compressed
+    entries) weighs at least one state of every recurrent layer.
+
+    An interval state and the prefix pages of its interval save the same prefill on a hit that lands in
+    the interval (without either, the hit stops at the interval before), so at this interval a state
+    saves at least as many FLOPs per byte as the pages beside it, and interval states never hold more
+    than the attention KV of the prefixes they checkpoint. Kimi-K3 at full size (465 MB of state, 27 KB
+    of bfloat16 latent per token): about 16.8K tokens; tiny presets: about 100."""
+    tensors = kv_tensors(cfg)
+    state = sum(t.spec.state_bytes for t in tensors if t.spec.hit_rule == "checkpoint")
+    sample = 1024 * block_size  # whole entries of every compressed kind
+    per_token = sum(t.spec.bytes_for_tokens(sample) for t in tensors if t.spec.hit_rule == "prefix") / sample
+    if not state or not per_token:
+        return checkpoint_tokens(block_size)
+    return checkpoint_tokens(block_size, max(DEFAULT_CHECKPOINT_TOKENS, math.ceil(state / per_token)))
+
+
 def _dtype_bytes(cfg) -> int:
     if cfg.dtype not in _DTYPE_BYTES:
         raise InvalidRequestError(f"unsupported KV dtype {cfg.dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")

@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass
 
 from agentjax.errors import InvalidRequestError
-from agentjax.kv.cache_layout import DEFAULT_CHECKPOINT_TOKENS, checkpoint_tokens, dtype_bytes, kind_cell, kv_tensors
+from agentjax.kv.cache_layout import (DEFAULT_CHECKPOINT_TOKENS, checkpoint_tokens, cost_aware_checkpoint_tokens,
+                                      dtype_bytes, kind_cell, kv_tensors)
 from agentjax.kv.layout import (INT32_LIMIT, LAYOUT_MODES, MIN_SLABS, REFERENCE_CONTEXT, GroupLayout, KindLayout,
                                 KVMemoryLayout)
 from agentjax.kv.specs import KVSpec, PackedSpec, group_layers
@@ -18,12 +19,14 @@ def build_layout(cfg, block_size: int, *, memory_bytes: int | None = None, num_p
                  mode: str = "pool", draft_cfg=None, checkpoint_interval: int | None = None) -> KVMemoryLayout:
     """The layout of `cfg` (and a speculative-decoding `draft_cfg`) with `block_size`-token hash blocks,
     sized by `memory_bytes`, or by `num_pages`: the bytes of that many page ids of the "shared" layout
-    (the old meaning of `num_kv_blocks`). Recurrent states are saved every `checkpoint_interval` tokens."""
+    (the old meaning of `num_kv_blocks`). Recurrent states are saved every `checkpoint_interval` tokens
+    (None: `cost_aware_checkpoint_tokens`)."""
     if mode not in LAYOUT_MODES:
         raise InvalidRequestError(f"kv_layout must be one of {LAYOUT_MODES}, got {mode!r}")
     if block_size < 1:
         raise InvalidRequestError(f"block_size must be >= 1, got {block_size}")
-    interval = checkpoint_tokens(block_size, checkpoint_interval or DEFAULT_CHECKPOINT_TOKENS)
+    interval = (checkpoint_tokens(block_size, checkpoint_interval) if checkpoint_interval
+                else cost_aware_checkpoint_tokens(cfg, block_size))
     kinds, tensor_kinds = _kinds(cfg, draft_cfg, interval)
     shared = _shared_layout(cfg, kinds, tensor_kinds, block_size, interval, num_pages or 2)
     if num_pages is not None:

@@ -123,11 +123,13 @@ class KVCacheManager:
                           checkpoint_interval: int | None = None, draft_config=None, **options) -> "KVCacheManager":
         """Groups from an `agentjax.config.ModelConfig`. With the default `scale_tokens_per_page=False`
         every group's pages hold `block_size` tokens, so page ids index `cfg.new_kv_pages` directly.
-        Recurrent states are saved every `checkpoint_interval` tokens (default: 64, whole pages). A
-        `draft_config` (speculative decoding's draft model) adds its own groups after the model's."""
-        from agentjax.kv.cache_layout import checkpoint_tokens
+        Recurrent states are saved every `checkpoint_interval` tokens (whole pages; default: the model's
+        `cost_aware_checkpoint_tokens`, as the engine's layout). A `draft_config` (speculative decoding's
+        draft model) adds its own groups after the model's."""
+        from agentjax.kv.cache_layout import checkpoint_tokens, cost_aware_checkpoint_tokens
 
-        interval = checkpoint_tokens(block_size, checkpoint_interval)
+        interval = (checkpoint_tokens(block_size, checkpoint_interval) if checkpoint_interval
+                    else cost_aware_checkpoint_tokens(cfg, block_size))
         specs = specs_from_model_config(cfg, interval)
         if draft_config is not None:
             specs += specs_from_model_config(draft_config, interval, owner=1)

@@ -20,6 +20,12 @@ from agentjax.kv.hashing import BlockHash
 logger = logging.getLogger(__name__)
 
 
+def max_state_pages(chunk_tokens: int, interval: int, draft_states: int = 0) -> int:
+    """The most pages one request holds in a recurrent-state group at once: its running page, one per
+    checkpoint strictly inside a chunk of `chunk_tokens` tokens, or one per draft token's state."""
+    return 1 + max(draft_states, -(-max(chunk_tokens - 1, 0) // interval))
+
+
 def interior_boundaries(start: int, end: int, interval: int) -> range:
     """Multiples of `interval` strictly inside the chunk of tokens [start, end)."""
     return range((start // interval + 1) * interval, end, interval)

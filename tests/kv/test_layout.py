@@ -7,7 +7,7 @@ import pytest
 
 from agentjax.config import CompressedAttentionConfig, ModelConfig
 from agentjax.errors import InvalidRequestError
-from agentjax.kv.cache_layout import kv_buffer_specs
+from agentjax.kv.cache_layout import cost_aware_checkpoint_tokens, kv_buffer_specs
 from agentjax.kv.layout import build_layout
 from agentjax.kv.specs import plan_groups, specs_from_model_config
 from agentjax.models import preset_config
@@ -77,7 +77,8 @@ def test_a_deepseek_v4_entry_group_takes_whole_entries_while_the_windows_keep_16
 def test_a_state_page_holds_one_state_and_every_plane_is_aligned_to_its_cells():
     layout = build_layout(preset_config("tiny-kimi-k3"), 16, memory_bytes=64 * MIB)
     state, latent = layout.groups
-    assert state.hit_rule == "checkpoint" and state.tokens_per_page == 64 and latent.tokens_per_page == 16
+    # a state every 112 tokens: the fewest whose float32 latent (96 bytes a token) outweighs a state (9600 bytes)
+    assert state.hit_rule == "checkpoint" and state.tokens_per_page == 112 and latent.tokens_per_page == 16
     for kind in layout.kinds:
         assert layout.slab_words % kind.cell_words == 0 and kind.plane_offset % kind.cell_words == 0
         group = layout.groups[kind.group]
@@ -112,7 +113,8 @@ def test_a_pool_past_int32_rows_is_refused():
 def test_the_shared_layout_is_the_managers_old_plan_and_sizes_num_kv_blocks_pages():
     cfg = preset_config("tiny-kimi-k3")
     shared = build_layout(cfg, 16, num_pages=40, mode="shared")
-    assert shared.manager_plan() == plan_groups(specs_from_model_config(cfg), 16, scale_tokens_per_page=False)
+    interval = cost_aware_checkpoint_tokens(cfg, 16)
+    assert shared.manager_plan() == plan_groups(specs_from_model_config(cfg, interval), 16, scale_tokens_per_page=False)
     assert shared.num_slabs == 40 and shared.slab_bytes == cfg.kv_bytes_per_page(16)
     pool = build_layout(cfg, 16, num_pages=40)  # the same bytes, carved by group
     assert pool.total_bytes <= 40 * shared.slab_bytes < pool.total_bytes + pool.slab_bytes

@@ -132,7 +132,7 @@ def test_groups_trade_memory_under_pressure_and_can_allocate_never_lies(name, or
 def test_a_long_prompt_takes_the_slabs_that_finished_requests_states_left():
     """Kimi-style: short requests leave cached states (checkpoints) in many slabs; a long prompt's
     latent pages then reclaim those slabs (evicting the states), so it fits memory states held."""
-    layout = build_layout(preset_config("tiny-kimi-k3"), 16, memory_bytes=512 << 10)
+    layout = build_layout(preset_config("tiny-kimi-k3"), 16, memory_bytes=512 << 10, checkpoint_interval=64)
     manager = KVCacheManager.from_layout(layout)
     state_group, latent_group = (g.group_id for g in manager.groups)
     rng = random.Random(3)
