@@ -90,8 +90,11 @@ class Engine:
             # one layout sizes the manager's pool and the runner's memory (with DCP a page id holds
             # block_size tokens on each DCP rank, sharding/mesh.py)
             layout = engine_kv_layout(model_cfg, engine_cfg, self.draft_cfg)
+            # branch states (the Marconi rule on the device) come with the hint and Marconi policies
+            branch_states = engine_cfg.kv_policy != "lru" or engine_cfg.kv_offload_retention == "marconi"
             kv = KVCacheManager.from_layout(layout, enable_caching=engine_cfg.enable_prefix_caching,
-                                            eviction_order=engine_eviction_order(engine_cfg.kv_policy))
+                                            eviction_order=engine_eviction_order(engine_cfg.kv_policy),
+                                            branch_states=branch_states)
         self.kv = kv
         self.kv_layout = kv.layout
         self.runner = runner or make_model_runner(model_cfg, params, kv.pool.num_pages, engine_cfg, drafting=drafting,

@@ -62,3 +62,24 @@ def test_interval_states_are_hit_and_tokens_equal_a_cold_run(llm):
         assert cached == expected, (len(prompt), cached)
         assert tokens == _run(cold, prompt)[0], len(prompt)
     engine.scheduler.kv.check_invariants()
+
+
+@pytest.mark.slow
+def test_a_second_branch_resumes_where_the_first_found_the_prefix_cached(llm):
+    """The default (cost-aware) interval, hint policy: subagents that share a parent's first 200 tokens.
+    The first branch resumes at the last interval state and saves a state where the cached attention
+    pages end (192: the Marconi rule on the device); the second resumes there."""
+    vocab = min(llm.model_config.vocab_size, 512)
+    rng = np.random.default_rng(1)
+    parent = [int(t) for t in rng.integers(0, vocab, 320)]
+    engine = _engine(llm, state_checkpoint_tokens=None)
+    interval = engine.kv.layout.state_interval()
+    assert interval == {512: 208}.get(llm.model_config.vocab_size, 112)  # kimi-linear-a, tiny-kimi-k3
+    _run(engine, parent)
+    cold = _engine(llm, enable_prefix_caching=False)
+    for branch, expected in ((1, 192 // interval * interval), (2, 192)):
+        prompt = parent[:200] + [int(t) for t in rng.integers(0, vocab, 30)]
+        tokens, cached = _run(engine, prompt)
+        assert cached == expected, (branch, cached)
+        assert tokens == _run(cold, prompt)[0]
+    assert engine.kv.stats()["branch_states_saved"] == 1

@@ -54,7 +54,8 @@ from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_ha
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
 from agentjax.kv.slab_pool import SlabPool
 from agentjax.kv.state_saves import cache_saves, pool_has_room, reserve_saves
-from agentjax.kv.turn_ends import TurnEnds, save_turn_end, tail_hit, takes_turn_ends
+from agentjax.kv.turn_ends import (TurnEnds, branch_point, save_branch_state, save_turn_end, tail_hit,
+                                   takes_turn_ends)
 from agentjax.kv.specs import FullAttentionSpec, KVGroupPlan, KVSpec, plan_groups, specs_from_model_config
 
 logger = logging.getLogger(__name__)
@@ -66,9 +67,11 @@ class KVCacheManager:
     def __init__(self, plan: KVGroupPlan, num_blocks: int, enable_caching: bool = True,
                  cache_on_allocate: bool = True, enable_kv_events: bool = False,
                  eviction_order: EvictionOrder | None = None, clock: Callable[[], float] | None = None,
-                 slabs: tuple[int, Sequence[int]] | None = None):
+                 slabs: tuple[int, Sequence[int]] | None = None, branch_states: bool = True):
         """`slabs` = (number of slabs, pages per slab of each group): a "pool" KV layout's pool, whose
-        groups share memory by slabs (agentjax/kv/slab_pool.py); `num_blocks` is then ignored."""
+        groups share memory by slabs (agentjax/kv/slab_pool.py); `num_blocks` is then ignored.
+        `branch_states`: save a recurrent state where a prompt's cached prefix ends past every saved
+        state (agentjax/kv/turn_ends.py; the scheduler ends a prefill chunk there)."""
         self.plan = plan
         self.block_size = plan.hash_block_size
         self.enable_caching = enable_caching
@@ -102,6 +105,8 @@ class KVCacheManager:
         # tokens served through a turn end's state.
         self.group_hits = [0] * len(managers)
         self.turn_end_hits = 0
+        self.branch_states = branch_states
+        self.branch_states_saved = 0
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -303,6 +308,7 @@ class KVCacheManager:
         self.queries += len(tokens)
         self.hits += hit
         undo.group_hits = self._count_group_hits(hashes, len(tokens), hit)
+        request.branch_point = branch_point(self, undo.group_hits, hit)
         undo.turn_end_hit = hit if getattr(reuse, "tails", None) is not None else 0
         self.turn_end_hits += undo.turn_end_hit
         if self.cache_on_allocate:
@@ -368,6 +374,11 @@ class KVCacheManager:
         self.group_hits = [total + mine for total, mine in zip(self.group_hits, alone)]
         return alone
 
+    def branch_point(self, req_id: str) -> int:
+        """Tokens at which the request saves a branch state as its prefill passes (0: none); the
+        scheduler ends a chunk there."""
+        return self._request(req_id).branch_point
+
     def end_turn(self, req_id: str, num_computed_tokens: int) -> bool:
         """The request's turn is over after `num_computed_tokens` tokens went through the model: keep its
         state there hittable for the next turn (agentjax/kv/turn_ends.py). Call before `free`."""
@@ -431,7 +442,10 @@ class KVCacheManager:
                 keys = group.page_keys(request.hashes)
                 if isinstance(group, CheckpointGroup):
                     cache_saves(group, table, keys, num_computed_tokens, self.pool)
-                    if self._save_checkpoint(group, table, keys, num_computed_tokens):
+                    saved = self._save_checkpoint(group, table, keys, num_computed_tokens)
+                    if num_computed_tokens == request.branch_point > 0:
+                        saved |= save_branch_state(self, request, group, table, keys)
+                    if saved:
                         request.undo = None  # a page went through the free set: no exact undo any more
                 else:
                     group.cache_full_pages(table, keys, num_computed_tokens, request.tokens_of_page(group))
@@ -692,6 +706,7 @@ class KVCacheManager:
             "pinned_evictions": getattr(pool.eviction_order, "pinned_evictions", 0),
             "group_hits": list(self.group_hits), "turn_end_hits": self.turn_end_hits,
             "turn_ends_saved": self.turn_ends.saved if self.turn_ends is not None else 0,
+            "branch_states_saved": self.branch_states_saved,
         }
 
     def check_invariants(self) -> None:

@@ -62,6 +62,7 @@ class RequestKV:
     num_cached_tokens: int
     num_computed: int = 0
     undo: AdmissionUndo | None = None  # None once committed
+    branch_point: int = 0  # tokens where its cached attention pages end past any saved state (0: none)
 
     def tokens_of_page(self, group: GroupManager):
         size = group.tokens_per_page

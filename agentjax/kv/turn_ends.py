@@ -1,11 +1,15 @@
-"""End-of-turn states: the state after the last token a turn's model consumed, hittable by the next turn.
+"""End-of-turn and branch states: the state after the last token a turn's model consumed, hittable by
+the next turn, and the state where a prompt's cached prefix ended (a branch: the Marconi rule).
 
 A turn ends with its running recurrent state after `n` tokens, usually not on a checkpoint boundary.
 At the turn's end that page, and the turn's partial last attention page (tokens `P = n // B * B` to `n`),
 are cached under a *tail key*: the hash of the block before `P` and the tokens after it. A later prompt
 whose tokens start with the same `n` tokens resumes at `n`: it reuses the full attention pages, copies
 the partial page into a page of its own (it will write after `n`) and copies the state into its running
-page. Only models whose groups are all prefix groups of `B`-token pages and state groups take part.
+page. A prompt whose cached attention pages reach further than any saved state (`branch_point`: the
+prefix was seen before, as subagents that share a parent's system prompt and tools see it) saves the
+state there as it passes it, under the tail key of no tokens, so the next branch resumes there.
+Only models whose groups are all prefix groups of `B`-token pages and state groups take part.
 Host only: never imports jax; the manager owns the pages, this module only names and finds them.
 """
 from __future__ import annotations
@@ -51,7 +55,6 @@ class TurnEnds:
         self._lengths[parent] = lengths
         while len(self._lengths) > self.max_entries:
             del self._lengths[next(iter(self._lengths))]
-        self.saved += 1
 
     def find(self, tokens: np.ndarray, hashes: list[BlockHash], root: BlockHash, low: int, high: int,
              cached) -> TailHit | None:
@@ -115,6 +118,7 @@ def save_turn_end(manager, request, num_computed: int) -> bool:
     for group_id, page in pages:
         pool.cache_page(page, group_id, key, parent)
     turn_ends.remember(parent, num_computed - start)
+    turn_ends.saved += 1
     return True
 
 
@@ -147,3 +151,39 @@ def tail_hit(manager, tokens: np.ndarray, hashes: list[BlockHash], root: BlockHa
             if found.num_tokens > found.start:
                 tails.append((group.group_id, group.index[found.key]))
     return found.num_tokens, new_reuse, tails
+
+
+def branch_point(manager, group_hits: list[int], hit: int) -> int:
+    """Where a new request's cached attention pages end (whole blocks), if no saved state reaches it: the
+    state there is worth saving (0: none, or the model takes no tail states)."""
+    from agentjax.kv.groups import CheckpointGroup
+
+    if manager.turn_ends is None or not manager.branch_states:
+        return 0
+    reach = [h for g, h in zip(manager.groups, group_hits) if not isinstance(g, CheckpointGroup)]
+    if not reach:
+        return 0
+    point = min(reach) // manager.block_size * manager.block_size
+    return point if point > hit else 0
+
+
+def save_branch_state(manager, request, group, table, keys: list[BlockHash]) -> bool:
+    """The request's running state sits at its branch point: copy it into a cached page of its own under
+    the tail key of no tokens there (unless an interval checkpoint holds it already)."""
+    from agentjax.kv.state_saves import pool_has_room
+
+    point, size = request.branch_point, manager.block_size
+    if point % group.tokens_per_page == 0 and point // group.tokens_per_page <= len(keys):
+        return False  # an interval checkpoint: saved as one
+    manager._extend_hashes(request, point)
+    parent = request.hashes[point // size - 1]
+    key = tail_key(parent, request.tokens.view()[point:point])
+    if key in group.index or not pool_has_room(manager.pool, group.group_id):
+        return False
+    page = int(manager.pool.allocate(1, group=group.group_id)[0])
+    manager._pending_copies.append((group.group_id, table.pages[0], page))
+    manager.pool.cache_page(page, group.group_id, key, parent)
+    manager.pool.release(np.asarray([page]))
+    manager.turn_ends.remember(parent, 0)
+    manager.branch_states_saved += 1
+    return True

@@ -226,11 +226,18 @@ class Scheduler:
         return self.speculator.chain_tokens if samples_kept and self.speculator is not None else 0
 
     def _chunk(self, request: Request, count: int) -> int:
-        """End a prefill chunk on the last recurrent-state boundary inside it, so the state there is saved."""
+        """End a prefill chunk on the last recurrent-state boundary inside it, so the state there is saved,
+        or at the request's branch point (where its cached prefix ends: the KV manager saves a state there)."""
         interval = self.checkpoint_tokens
         start = request.num_computed_tokens
         end = start + count
-        if interval and end % interval and end // interval * interval > start:
+        if not interval:
+            return count
+        if request.state == RequestState.RUNNING:
+            branch = self.kv.branch_point(request.request_id)
+            if start < branch < end:
+                return branch - start
+        if end % interval and end // interval * interval > start:
             return end // interval * interval - start
         return count
 
@@ -384,4 +391,4 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = cached
         request.state = RequestState.RUNNING
-        return count
+        return self._chunk(request, count) if self.checkpoint_tokens else count

@@ -85,3 +85,30 @@ def test_stats_count_what_each_group_alone_could_serve_and_the_turn_end_hits():
     stats = m.stats()
     assert stats["group_hits"] == [16 + 12 + 18, 16 + 8 + 18] and stats["hits"] == 16 + 8 + 18
     assert stats["turn_end_hits"] == 18 and stats["turn_ends_saved"] == 1
+
+
+def test_a_prefix_seen_again_saves_a_state_where_it_ends_and_the_next_branch_resumes_there():
+    m = _manager()  # states every 8 tokens; attention pages of 4
+    shared = list(range(14))
+    _turn(m, "a", shared + [90, 91, 92, 93], 17)  # checkpoints at 8 and 16
+    m.free("a")
+    first = shared[:12] + [70, 71, 72, 73, 74]  # cached attention reaches 12, the states 8
+    assert m.allocate("b", first) and m.num_cached_tokens("b") == 8 and m.branch_point("b") == 12
+    assert len(m.take_pending_copies()) == 1  # the state at 8 into its running page
+    m.cache_blocks("b", 12)  # the scheduler ends a chunk at the branch point
+    (_, running, saved), = m.take_pending_copies()
+    assert running == m.block_ids("b")[1][0] and m.stats()["branch_states_saved"] == 1
+    m.cache_blocks("b", 17)
+    m.free("b")
+    second = shared[:12] + [60, 61, 62]
+    assert m.lookup(second) == 12  # the second branch resumes at the branch state
+    assert m.allocate("c", second) and m.branch_point("c") == 0
+    assert m.take_pending_copies() == [(1, saved, m.block_ids("c")[1][0])]
+    m.check_invariants()
+
+
+def test_branch_states_are_off_when_the_manager_is_told_so():
+    m = KVCacheManager.from_specs([FULL, STATE], 64, block_size=4, cache_on_allocate=False, branch_states=False)
+    _turn(m, "a", list(range(18)), 17)
+    m.free("a")
+    assert m.allocate("b", list(range(12)) + [70, 71, 72]) and m.branch_point("b") == 0
