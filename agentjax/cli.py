@@ -1,8 +1,13 @@
-"""The `agentjax` command line: `serve`, `generate`, `bench` and `router`; `sweep` comes next.
+"""The `agentjax` command line: `serve`, `generate`, `router`, `bench` and `sweep`.
 
-    agentjax serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key K] ...
-    agentjax generate --prompt "The capital of France is" [--model M] [--max-tokens N]
+    agentjax serve [--model SPEC] [--host 127.0.0.1] [--port 8000] [--api-key K] ...
+    agentjax generate --prompt "The capital of France is" [--model SPEC] [--max-tokens 32]
     agentjax router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 [--policy sticky]
+    agentjax bench {agentx,report,sweep-concurrency,kv-sim} ...
+    agentjax sweep {simulate,saturation,pd} ...
+
+Every flag's help shows its default. The global flags (`--log-level`, `--quiet`) go before or after
+the subcommand. Progress and logs go to stderr; results to stdout.
 """
 from __future__ import annotations
 
@@ -11,63 +16,62 @@ import logging
 import sys
 import time
 
+from agentjax import __version__
+from agentjax.engine_flags import add_engine_flags, engine_args
 from agentjax.errors import AgentjaxError
+from agentjax.progress import is_quiet, set_quiet
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Libraries whose INFO lines (checkpoint internals, backend probing, one line per HTTP request) would
+# bury agentjax's own; they speak at WARNING unless --log-level DEBUG.
+NOISY_LOGGERS = ("absl", "jax", "orbax", "httpx", "httpcore", "urllib3", "filelock")
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file, HF directory, preset:NAME or embedded name (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pages in the pool (default: sized from 1 GiB)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0, help="cap on prefill tokens per request per step (0: none)")
-    parser.add_argument("--no-trim-prefill-to-buckets", dest="trim_prefill_to_buckets", action="store_false",
-                        help="always run a step's whole prefill chunks, even when that pads far past a token bucket")
-    parser.add_argument("--numerics", choices=("fast", "batch_invariant"), default="fast")
-    parser.add_argument("--attention-impl", choices=("auto", "kernel", "reference"), default="auto",
-                        help="the model's paged, sparse and MoE ops: the Pallas kernels or the jnp references (XLA); "
-                             "auto (default): kernels on a GPU, references on a CPU")
-    parser.add_argument("--speculative-config", default=None,
-                        help='speculative decoding as vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                             "(prompt_lookup_min/prompt_lookup_max for ngram); default: off")
-    add_parallel_flags(parser)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends `(default: X)` to every option's help that does not already say its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text.lower() or (
+                action.default is argparse.SUPPRESS and not hasattr(action, "shown_default")):
+            return text
+        if action.required:
+            return f"{text} (required)"
+        return f"{text} (default: {describe_default(action).replace('%', '%%')})"
 
 
-def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM's parallel-layout flags (sharding/mesh.py) and the jax.distributed process flags."""
-    add = parser.add_argument
-    add("--tensor-parallel-size", "-tp", type=int, default=1, help="TP ranks (query heads, MLP and expert columns)")
-    add("--data-parallel-size", "-dp", type=int, default=1,
-        help="DP ranks, each with its own requests, stepping in lockstep")
-    add("--enable-expert-parallel", action="store_true",
-        help="shard whole experts over the DP x TP ranks (DEP with --data-parallel-size)")
-    add("--decode-context-parallel-size", "-dcp", type=int, default=1,
-        help="DCP ranks inside the TP group: KV interleaved token by token (divides --tensor-parallel-size)")
-    add("--prefill-context-parallel-size", "-pcp", type=int, default=1,
-        help="PCP ranks: a step's tokens split DualChunkSwap-style, KV all-gathered")
-    add("--coordinator-address", default=None, help="jax.distributed coordinator HOST:PORT (several processes)")
-    add("--num-processes", type=int, default=1, help="processes in the jax.distributed run")
-    add("--process-id", type=int, default=0, help="this process's id (0 drives the engine; others follow)")
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        return {int: "N", float: "NUM"}.get(action.type) or super()._get_default_metavar_for_optional(action)
 
 
-def _engine_args(args: argparse.Namespace) -> dict:
-    return dict(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        trim_prefill_to_buckets=args.trim_prefill_to_buckets,
-        numerics=args.numerics,
-        attention_impl=args.attention_impl,
-        speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        decode_context_parallel_size=args.decode_context_parallel_size,
-        prefill_context_parallel_size=args.prefill_context_parallel_size,
-        coordinator_address=args.coordinator_address,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-    )
+def describe_default(action: argparse.Action) -> str:
+    """How a flag's default reads in help and in docs/configuration.md."""
+    if hasattr(action, "shown_default"):
+        return action.shown_default
+    if isinstance(action, argparse._StoreTrueAction):
+        return "off"
+    if isinstance(action, argparse._StoreFalseAction):
+        return "on"
+    if action.default is None:
+        return "none"
+    if isinstance(action.default, bool):
+        return "on" if action.default else "off"
+    if isinstance(action.default, list):
+        return ",".join(map(str, action.default)) or "none"
+    return str(action.default)
+
+
+def add_global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """`--log-level` and `--quiet`. Subcommands take them too, with no default of their own, so a
+    value given after the subcommand wins and one given before it still counts."""
+    group = parser.add_argument_group("Logging", "what reaches stderr")
+    keep = {} if defaults else {"default": argparse.SUPPRESS}
+    level = group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, **({"default": "INFO"} | keep),
+                               help="log level of agentjax's messages; progress lines and the ready line are INFO")
+    quiet = group.add_argument("-q", "--quiet", action="store_true", **({"default": False} | keep),
+                               help="no progress bars or progress lines: only warnings, errors and results (sets "
+                                    "--log-level WARNING)")
+    level.shown_default, quiet.shown_default = "INFO", "off"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -75,8 +79,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     llm = LLM(args.model, **_engine_args(args))
-    print(f"[agentjax] loaded {llm.model_config.name} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    note = (lambda text: None) if is_quiet() else (lambda text: print(f"[agentjax] {text}", file=sys.stderr))
+    note(f"loaded {llm.model_config.name} in {time.perf_counter() - started:.1f}s")
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     started = time.perf_counter()
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], sampling)
@@ -84,12 +89,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate([args.prompt], sampling)[0]
     elapsed = time.perf_counter() - started
     print(out.text)
-    print(
-        f"[agentjax] {len(out.token_ids)} tokens in {elapsed:.1f}s (first call includes compilation), "
-        f"finish_reason={out.finish_reason}",
-        file=sys.stderr,
-    )
+    note(f"{len(out.token_ids)} tokens in {elapsed:.1f}s (first call includes compilation), "
+         f"finish_reason={out.finish_reason}")
     return 0
+
+
+def _engine_args(args: argparse.Namespace) -> dict:
+    return engine_args(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -99,40 +105,82 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agentjax", description="A JAX serving stack for agentic LLM traffic.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING...)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text offline from one prompt")
-    gen.add_argument("--prompt", required=True, help="the prompt text")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    gen.add_argument("--seed", type=int, default=None)
-    _add_engine_flags(gen)
-    gen.set_defaults(handler=cmd_generate)
+    parser = argparse.ArgumentParser(prog="agentjax", formatter_class=HelpFormatter,
+                                     description="A JAX serving stack for agentic LLM traffic.")
+    parser.add_argument("--version", action="version", version=f"agentjax {__version__}")
+    add_global_flags(parser, defaults=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from agentjax.server.launcher import add_serve_arguments
 
-    srv = sub.add_parser("serve", help="serve the model over the OpenAI HTTP API")
-    _add_engine_flags(srv)
+    srv = sub.add_parser("serve", help="serve the model over the OpenAI and Anthropic HTTP APIs",
+                         description="Serve a model over the OpenAI (chat, completions, responses) and Anthropic "
+                                     "(messages) HTTP APIs.", formatter_class=HelpFormatter)
+    add_engine_flags(srv)
     add_serve_arguments(srv)
     srv.set_defaults(handler=cmd_serve)
-    from agentjax.bench.cli import add_bench_parser
 
-    add_bench_parser(sub)
+    gen = sub.add_parser("generate", help="generate text offline from one prompt",
+                         description="Load a model and complete one prompt, without a server.",
+                         formatter_class=HelpFormatter)
+    request = gen.add_argument_group("Request", "the one prompt and its sampling")
+    request.add_argument("--prompt", required=True, help="the prompt text")
+    request.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    request.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    request.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    add_engine_flags(gen)
+    gen.set_defaults(handler=cmd_generate)
+
     from agentjax.router.launcher import add_router_arguments, cmd_router
 
-    router = sub.add_parser("router", help="route OpenAI/Anthropic traffic over several agentjax serve replicas")
+    router = sub.add_parser("router", help="route OpenAI/Anthropic traffic over several agentjax serve replicas",
+                            description="One OpenAI- and Anthropic-compatible front over several `agentjax serve` "
+                                        "replicas (no model, no jax).", formatter_class=HelpFormatter)
     add_router_arguments(router)
     router.set_defaults(handler=cmd_router)
+    from agentjax.bench.cli import add_bench_parser
     from agentjax.bench.sweep_cli import add_sweep_parser
 
-    add_sweep_parser(sub)
+    add_bench_parser(sub, HelpFormatter)
+    add_sweep_parser(sub, HelpFormatter)
+    for subparser in all_subparsers(parser):
+        add_global_flags(subparser, defaults=False)
     return parser
+
+
+def all_subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand's parser (`bench` and `bench agentx` alike), depth first."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found += [child, *all_subparsers(child)]
+    return found
+
+
+def subcommands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """`("bench", "agentx")` -> its parser, for every leaf subcommand."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found.update(subcommands(child, (*prefix, name)) or {(*prefix, name): child})
+    return found
+
+
+def configure_logging(level: str, quiet: bool) -> None:
+    level = "WARNING" if quiet and level in ("DEBUG", "INFO") else level
+    set_quiet(quiet)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "DEBUG":
+        for name in NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.quiet)
+    if args.quiet:
+        args.log_level = "WARNING"
     try:
         return args.handler(args)
     except AgentjaxError as exc:

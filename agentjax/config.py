@@ -286,6 +286,10 @@ class EngineConfig:
     # from the last one at or before the shared prefix. None: the model's cost-aware choice
     # (agentjax.kv.cache_layout.checkpoint_tokens).
     state_checkpoint_tokens: int | None = None
+    # How long a load may wait on the disk or Mooncake tier without an answer (a page read, written or
+    # failed) before it is given up: those tokens are recomputed and the tier is out of use for 30 s (a
+    # dead peer costs a request at most this; a slow tier that keeps answering finishes its loads).
+    kv_load_timeout_s: float = 1.0
     # The KV policy (agentjax.kv.policies.engine_policy) that orders evictions and hears every session
     # turn's end with its agent hints: "hints" (session pins, next use expected farthest first), "lru", "marconi".
     kv_policy: str = "hints"
@@ -310,6 +314,10 @@ class EngineConfig:
     # whose own default picks the kernels on a GPU and the references on a CPU or under context
     # parallelism). See `model_config_for`.
     attention_impl: Literal["auto", "reference", "kernel"] = "auto"
+    # The quantisation an HF checkpoint must declare, by vLLM's `--quantization` names ("fp8",
+    # "deepseek_v4_fp8", "mxfp8", "modelopt_mxfp8", "modelopt_fp4", "compressed-tensors"); None: whatever
+    # its quantization_config says (checkpoints/quant_config.py). Quantised weights stay quantised.
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -329,6 +337,8 @@ class EngineConfig:
         if self.attention_impl not in ("auto", "reference", "kernel"):
             raise InvalidRequestError(
                 f"attention_impl must be 'auto', 'reference' or 'kernel', got {self.attention_impl!r}")
+        if not self.kv_load_timeout_s > 0:
+            raise InvalidRequestError(f"kv_load_timeout_s must be > 0 seconds, got {self.kv_load_timeout_s}")
         if self.kv_offload_retention not in ("interval", "marconi"):
             raise InvalidRequestError(
                 f"kv_offload_retention must be 'interval' or 'marconi', got {self.kv_offload_retention!r}")

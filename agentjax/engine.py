@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
+from agentjax.request_fit import check_pool_fits
 from agentjax.engine_extras import ExtrasTracker
 from agentjax.engine_kv import engine_kv_layout
 from agentjax.kv import KVCacheManager
@@ -155,13 +156,8 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary "
                                       f"[0, {self.model_cfg.vocab_size})")
-        needed = self.kv.max_pages_for(min(len(prompt) + sampling.max_tokens, self.max_model_len),
-                                       self.config.max_num_batched_tokens)
-        if needed > self.kv.capacity_units:
-            raise OutOfPagesError(
-                f"the request needs {needed} KV pages but the pool has {self.kv.capacity_units}; "
-                f"raise kv_cache_memory_gb (or num_kv_blocks) or lower max_tokens"
-            )
+        check_pool_fits(self.kv, len(prompt), sampling.max_tokens, self.max_model_len,
+                        self.config.max_num_batched_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -249,7 +245,7 @@ class Engine:
         self._log(plan)
         if self.offload_worker is not None:  # page stores and loads, before this step's copies
             self.offload_worker.run(self.runner, plan.kv_transfers)
-            if not plan.scheduled and self.offload.num_held:
+            if not plan.scheduled and self.offload.waiting_on_tiers:
                 self.offload_worker.wait(0.01)  # only parked requests: wait for a tier, not spin
                 return []
         if not plan.scheduled:
@@ -397,6 +393,8 @@ class Engine:
             "kv_free_blocks": free,
             "kv_used_blocks": kv.get("used_blocks", total - free),
             "kv_cached_blocks": kv.get("cached_blocks", 0),
+            "kv_cached_blocks_by_group": [(g.group_id, g.group.spec.kind, len(self.kv.pool.cached[g.group_id]))
+                                          for g in self.kv.groups],
             "kv_usage": kv.get("used_blocks", total - free) / total,
             "prefix_query_tokens": kv.get("queries", 0),
             "prefix_hit_tokens": kv.get("hits", 0),

@@ -19,6 +19,7 @@ import numpy as np
 
 from agentjax.config import ModelConfig, RopeScaling
 from agentjax.errors import ModelLoadError, UnsupportedModelError
+from agentjax.progress import Throttle
 from checkpoints.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,13 @@ def _is_kernel(name: str) -> bool:
     return name.endswith("kernel") or name == "lm_head"
 
 
+def host_bytes(array) -> int:
+    """Bytes of a converted array on the host (a BlockWeight: its blocks' parts)."""
+    if isinstance(array, np.ndarray):
+        return int(array.nbytes)
+    return sum(int(part.nbytes) for part in array.parts() if part is not None)
+
+
 def load_gguf(path: str | Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, Any], GGUFFile]:
     """`(config, flat float32 arrays, the open file)`; the file's metadata serves the tokenizer. With `keep_blocks`, the
     embedding and the kernels stored as Q4_0, Q4_1 or Q8_0 are BlockWeights instead of float32 arrays."""
@@ -200,7 +208,11 @@ def load_gguf(path: str | Path, keep_blocks: bool = False) -> tuple[ModelConfig,
     meta = metadata(reader)
     cfg = config_from_metadata(meta, name=Path(path).stem)
     arrays: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    throttle, converted_bytes = Throttle(), 0
+    for index, tensor in enumerate(reader.tensors):
+        if throttle.due():
+            logger.info("converting %s: %d/%d tensors, %.0f MB, %.1f s", Path(path).name, index, len(reader.tensors),
+                        converted_bytes / 1e6, throttle.elapsed)
         name = param_name(tensor.name)
         if name is None:
             if tensor.name == "rope_freqs.weight":
@@ -224,6 +236,7 @@ def load_gguf(path: str | Path, keep_blocks: bool = False) -> tuple[ModelConfig,
             # [out, in] -> [in, out]
             array = array.swap_last_axes() if parts else np.ascontiguousarray(array.T)
         arrays[name] = array
+        converted_bytes += host_bytes(array)
     if "embed" not in arrays:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor")
     cfg = cfg.replace(vocab_size=arrays["embed"].shape[0], tie_word_embeddings="lm_head" not in arrays)

@@ -81,7 +81,7 @@ class _SchedulerRun:
         plan = scheduler.schedule()
         if plan.kv_transfers is not None:
             for job in plan.kv_transfers.loads:  # an idle worker: the copy is done at once
-                self.connector.results.put(("load", job.job_id, set()))
+                self.connector.results.put(("load", job.job_id, {}))
                 self.loads += 1
         produced = scheduler.update_from_output(plan, [7] * len(plan.scheduled))
         ended = []

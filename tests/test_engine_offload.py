@@ -108,6 +108,9 @@ def test_llm_takes_the_tier_settings_by_name_and_refuses_a_tier_that_cannot_star
               disk_cache_dir=str(tmp_path / "kv"), disk_cache_gb=0.5, kv_offload_retention="marconi")
     assert llm.engine.offload.tiers == ["host", "disk"]
     assert llm.engine_config.disk_cache_gb == 0.5
+    # over its cap the disk tier drops the files of lowest recompute cost per byte and recency first (scored),
+    # not simply the oldest: what --disk-cache-gb's help and docs/kv-cache.md say
+    assert llm.engine.offload.disk._order is not None
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OffloadTierError, match="not a writable directory"):

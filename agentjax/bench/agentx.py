@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ from agentjax.bench.backends import Backend, EngineBackend, HttpBackend, TurnReq
 from agentjax.bench.metrics import RequestRecord, summarize
 from agentjax.bench.traces import Session, Turn, load_weka_traces, prompt_token_ids
 from agentjax.errors import InvalidRequestError
+from agentjax.progress import ProgressBar
 
 __all__ = ["AgentxConfig", "AgentxRun", "Backend", "EngineBackend", "HttpBackend", "TurnRequest",
            "load_sessions", "run_agentx", "run_agentx_async"]
@@ -65,8 +65,9 @@ class AgentxRun:
     """Replays `sessions` on `backend` with `config.lanes` closed-loop lanes."""
 
     def __init__(self, config: AgentxConfig, sessions: Sequence[Session], backend: Backend,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        """`clock` times the run (the planning simulator passes its virtual clock)."""
+                 clock: Callable[[], float] = time.perf_counter, label: str = "agentx") -> None:
+        """`clock` times the run (the planning simulator passes its virtual clock); `label` names its
+        progress bars."""
         if not sessions:
             raise InvalidRequestError("no sessions to replay")
         self.config = config
@@ -80,6 +81,8 @@ class AgentxRun:
         self.deadline = float("inf")  # known once the warm-up phase ends
         self._profiling = asyncio.Event()
         self._lanes_warm = 0
+        self._bars: tuple[ProgressBar, ProgressBar] | None = None
+        self.label = f"{label} C={config.lanes}"
 
     def _stopping(self) -> bool:
         return self.clock() >= self.deadline
@@ -218,13 +221,23 @@ class AgentxRun:
             logger.warning("request %s turn %d failed: %s", session_id, turn.index, record.error)
 
     def _print_progress(self, final: bool = False) -> None:
+        """Two bars on stderr: the warm-up (lanes done with their first requests), then the profiling
+        time against `duration_s`, with an ETA; after the deadline, the in-flight requests draining."""
         errors = sum(1 for record, _ in self.records if record.error is not None)
-        phase = (f"warm-up {self.clock() - self.t0:5.0f}s" if not self._profiling.is_set()
-                 else f"{self.clock() - self.t_profile:6.1f}s/{self.config.duration_s:.0f}s")
-        sys.stderr.write(f"\r[agentx] {phase}  lanes {self.config.lanes}  "
-                         f"requests {len(self.records)}  errors {errors}  in flight {self.in_flight}   ")
-        sys.stderr.write("\n" if final else "")
-        sys.stderr.flush()
+        note = f"requests {len(self.records)}, errors {errors}, in flight {self.in_flight}"
+        if self._bars is None:
+            self._bars = (ProgressBar(self.config.lanes, f"{self.label} warm-up", unit=" lanes"),
+                          ProgressBar(self.config.duration_s, self.label, unit=" s"))
+        warm, profile = self._bars
+        if not self._profiling.is_set():
+            warm.update(self._lanes_warm, note)
+        else:
+            warm.close(note)
+            elapsed = self.clock() - self.t_profile
+            profile.update(elapsed, note if elapsed < self.config.duration_s else f"draining: {note}")
+        if final:
+            warm.close(note)
+            profile.close(note)
 
 
 def load_sessions(config: AgentxConfig) -> list[Session]:

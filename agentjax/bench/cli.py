@@ -23,28 +23,35 @@ _ENGINE_FLAGS = (("--block-size", int, None, "tokens per KV page"),
 
 
 def _add_replay_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None, help="server base URL (e.g. http://127.0.0.1:8000); "
-                        "without it the engine runs in this process")
-    parser.add_argument("--model", default=None, help="in-process: the model spec (default: the embedded "
+    target = parser.add_argument_group("Target", "what the replay sends requests to")
+    target.add_argument("--url", default=None, help="server base URL (e.g. http://127.0.0.1:8000); "
+                        "default: none, the engine runs in this process")
+    target.add_argument("--model", default=None, help="in-process: the model spec (default: the embedded "
                         "SmolLM2-135M-Instruct); with --url: the served model name (default: the first listed)")
-    parser.add_argument("--api-key", default=None, help="bearer key for --url")
-    parser.add_argument("--vocab-size", type=int, default=49_152,
+    target.add_argument("--api-key", default=None, help="bearer key for --url (default: none)")
+    target.add_argument("--vocab-size", type=int, default=49_152,
                         help="with --url: prompt token ids lie in [256, vocab size)")
-    parser.add_argument("--traces", default=DEFAULT_TRACES, help="directory of weka traces (.json, .json.gz)")
-    parser.add_argument("--context-scale", type=float, default=0.01, help="shrink every length by this factor")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of sending new turns")
-    parser.add_argument("--warmup", type=float, default=0.0, help="seconds at the start not counted")
-    parser.add_argument("--warmup-requests-per-lane", type=int, default=1,
-                        help="first requests of each lane not counted (AgentX: 1)")
-    parser.add_argument("--think-scale", type=float, default=0.0,
-                        help="multiply recorded think times by this (1.0: as recorded, capped at 300 s)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs the served model uses (TPGS divides by it)")
-    parser.add_argument("--max-context", type=int, default=None, help="cap tokens per prompt (truncating)")
-    parser.add_argument("--drain-timeout", type=float, default=120.0,
-                        help="seconds to let in-flight requests finish after --duration")
+    target.add_argument("--gpus", type=int, default=1, help="GPUs the served model uses (TPGS divides by it)")
+    traffic = parser.add_argument_group("Traffic", "the traces and how they are replayed")
+    traffic.add_argument("--traces", default=DEFAULT_TRACES, help="directory of weka traces (.json, .json.gz)")
+    traffic.add_argument("--context-scale", type=float, default=0.01, help="shrink every length by this factor")
+    traffic.add_argument("--duration", type=float, default=60.0, help="seconds of sending new turns")
+    traffic.add_argument("--warmup", type=float, default=0.0, help="seconds at the start not counted")
+    traffic.add_argument("--warmup-requests-per-lane", type=int, default=1,
+                         help="first requests of each lane not counted (AgentX: 1)")
+    traffic.add_argument("--think-scale", type=float, default=0.0,
+                         help="multiply recorded think times by this (1.0: as recorded, capped at 300 s; "
+                              "0: turns back to back)")
+    traffic.add_argument("--seed", type=int, default=0, help="seed of the lanes' start turns and prompt salts")
+    traffic.add_argument("--max-context", type=int, default=None,
+                         help="cap tokens per prompt, truncating (default: none; the model's context in process, "
+                              "the served max_model_len over HTTP)")
+    traffic.add_argument("--drain-timeout", type=float, default=120.0,
+                         help="seconds to let in-flight requests finish after --duration")
+    engine = parser.add_argument_group("In-process engine", "settings of the engine this process runs "
+                                       "without --url (default: the engine's own)")
     for flag, kind, default, text in _ENGINE_FLAGS:
-        parser.add_argument(flag, type=kind, default=default, help=f"in-process engine: {text}")
+        engine.add_argument(flag, type=kind, default=default, help=f"{text} (default: the engine's)")
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -112,24 +119,29 @@ def cmd_kv_sim(args: argparse.Namespace) -> int:
     return run_kv_sim_command(args)
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_bench_parser(subparsers: argparse._SubParsersAction,
+                     formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> argparse.ArgumentParser:
     """Adds `bench` and its subcommands to the `agentjax` command's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmark agent traffic (AgentX replay, report, sweep)")
-    sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench = subparsers.add_parser("bench", help="benchmark agent traffic (AgentX replay, report, sweep, KV policy "
+                                  "simulator)", formatter_class=formatter)
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
-    agentx = sub.add_parser("agentx", help="replay agent traces with closed-loop lanes (AgentX)")
+    def add(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, description=kwargs["help"], formatter_class=formatter, **kwargs)
+
+    agentx = add("agentx", help="replay agent traces with closed-loop lanes (AgentX)")
     agentx.add_argument("--lanes", type=int, default=4, help="concurrent sessions (AgentX concurrency)")
-    agentx.add_argument("--out", default=None, help="write the summary JSON here")
+    agentx.add_argument("--out", default=None, help="write the summary JSON here (default: print only)")
     _add_replay_flags(agentx)
     agentx.set_defaults(handler=cmd_agentx)
 
-    report = sub.add_parser("report", help="AgentX figures from an official AgentX run's profile_export.jsonl")
-    report.add_argument("dir", help="the run's --output-artifact-dir, or the .jsonl file itself")
+    report = add("report", help="AgentX figures from an official AgentX run's profile_export.jsonl")
+    report.add_argument("dir", help="the run's --output-artifact-dir, or its profile_export.jsonl itself")
     report.add_argument("--gpus", type=int, default=1, help="GPUs the served model used")
-    report.add_argument("--out", default=None, help="write the summary JSON here")
+    report.add_argument("--out", default=None, help="write the summary JSON here (default: print only)")
     report.set_defaults(handler=cmd_report)
 
-    sweep = sub.add_parser("sweep-concurrency", help="AgentX at several lane counts; TPGS vs P90 "
+    sweep = add("sweep-concurrency", help="AgentX at several lane counts; TPGS vs P90 "
                            "interactivity plot with the Pareto frontier")
     sweep.add_argument("--levels", default="1,2,4,8", help="comma-separated lane counts")
     sweep.add_argument("--out-dir", default="sweep", help="writes sweep.json and sweep.png here")
@@ -140,7 +152,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
     from agentjax.bench.kv_sim_cli import add_kv_sim_flags
 
-    kv_sim = sub.add_parser("kv-sim", help="token hit rate of KV policies per tier on a trace replay "
+    kv_sim = add("kv-sim", help="token hit rate of KV policies per tier on a trace replay "
                             "(the real KV manager on a virtual clock; LRU, Belady and an infinite cache beside)")
     add_kv_sim_flags(kv_sim)
     kv_sim.set_defaults(handler=cmd_kv_sim)

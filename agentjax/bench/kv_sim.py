@@ -26,6 +26,7 @@ from agentjax.kv.offload.policies import RetentionPolicy, make_retention
 from agentjax.kv.policies import BeladyPolicy, make_policy
 from agentjax.kv.policy import PagePolicy, TurnEnd
 from agentjax.kv.policy_order import PolicyEvictionOrder
+from agentjax.progress import ProgressBar, Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -265,8 +266,11 @@ class KVSimConfig:
     states: StatePlan | None = None  # a recurrent-state model's states (agentjax/bench/kv_sim_states.py)
 
 
-def simulate(replay: Replay, config: KVSimConfig, report: Callable[[str], None] | None = None) -> dict:
-    """Every policy of `config` (LRU and Belady always) over `replay`; the r.json summary."""
+def simulate(replay: Replay, config: KVSimConfig, report: Callable[[str], None] | None = None,
+             show_bar: bool = False) -> dict:
+    """Every policy of `config` (LRU and Belady always) over `replay`; the r.json summary. `report` gets
+    progress lines (every `config.progress_every_s`), or with `show_bar` a progress bar with an ETA runs
+    over every policy's requests and `report` gets each policy's result."""
     block = replay.block_tokens
     for name, tokens in (("hbm", config.hbm_tokens), ("host", config.host_tokens), ("disk", config.disk_tokens)):
         if tokens < 0 or (name == "hbm" and tokens < block):
@@ -277,17 +281,23 @@ def simulate(replay: Replay, config: KVSimConfig, report: Callable[[str], None] 
     input_tokens = replay.input_tokens
     infinite_tokens = sum(_tokens(int(h), block, r.input_tokens) for h, r in zip(infinite, replay.requests))
     results = {}
-    for name in names:
+    total = len(replay.requests)
+    bar = ProgressBar(total * len(names), "kv-sim", unit=" requests") if show_bar else None
+    for position, name in enumerate(names):
         simulation = PolicyReplay(replay, name, config.hbm_tokens // block, config.host_tokens // block,
                                   config.disk_tokens // block, config.retention,
                                   config.policy_options.get(name), future, config.states)
-        result = simulation.run(_progress(name, len(replay.requests), config.progress_every_s, report))
+        progress = (_bar_progress(name, bar, position * total) if bar is not None
+                    else _progress(name, total, config.progress_every_s, report))
+        result = simulation.run(progress)
         results[name] = result.as_dict()
         if simulation.states is not None:
             results[name]["states"] = simulation.states.summary(config.hbm_tokens)
         if report:
             report(f"{name}: token hit rate {results[name]['token_hit_rate']:.4f} "
                    f"(device {results[name]['tiers']['device']:.4f}) in {result.seconds:.1f} s")
+    if bar is not None:
+        bar.close()
     infinite_rate = infinite_tokens / input_tokens if input_tokens else 0.0
     results["infinite"] = {"token_hit_rate": infinite_rate,
                            "tiers": {"device": infinite_rate, "host": 0.0, "disk": 0.0},
@@ -310,6 +320,18 @@ def simulate(replay: Replay, config: KVSimConfig, report: Callable[[str], None] 
         "best_online": {"policy": best, "token_hit_rate": results[best]["token_hit_rate"],
                         "of_belady": results[best]["of_belady"], "of_infinite": results[best]["of_infinite"]},
     }
+
+
+def _bar_progress(name: str, bar: ProgressBar, offset: int, every_s: float = 0.25):
+    """Moves `bar` along one policy's requests (at most every `every_s`: the replay runs thousands of
+    requests a second), and to its end after the last policy's last request."""
+    throttle = Throttle(every_s)
+
+    def progress(done: int, result: PolicyResult) -> None:
+        if throttle.due() or offset + done == bar.total:
+            rate = sum(result.hit_tokens.values()) / result.input_tokens if result.input_tokens else 0.0
+            bar.update(offset + done, f"{name}: hit rate so far {rate:.4f}")
+    return progress
 
 
 def _progress(name: str, total: int, every_s: float, report: Callable[[str], None] | None):

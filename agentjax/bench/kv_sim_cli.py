@@ -22,6 +22,7 @@ from agentjax.bench.kv_sim_states import STATE_RETENTIONS, StatePlan, model_stat
 from agentjax.bench.traces import load_weka_trace_file
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.policies import POLICY_NAMES
+from agentjax.progress import Throttle, is_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,7 @@ def add_kv_sim_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hint-sigma", type=float, default=0.5,
                         help="sigma of the lognormal error on expected_next_turn_s hints")
     parser.add_argument("--seed", type=int, default=0, help="seed of the hint errors")
-    parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
-    parser.add_argument("--out", default=None, help="write the results JSON here")
+    parser.add_argument("--out", default=None, help="write the results JSON here (default: print only)")
     states = parser.add_argument_group("recurrent states", "a hybrid model's hits land on saved states "
                                        "(agentjax/bench/kv_sim_states.py); device tier only")
     states.add_argument("--state-model", default=None, metavar="PRESET",
@@ -150,18 +150,23 @@ def run_kv_sim_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
 
     def report(message: str) -> None:
-        print(f"[kv-sim {time.perf_counter() - started:6.0f}s] {message}", file=sys.stderr, flush=True)
+        if not is_quiet():
+            print(f"[kv-sim {time.perf_counter() - started:6.0f}s] {message}", file=sys.stderr, flush=True)
 
     paths = trace_paths(args.traces)
     report(f"loading {len(paths)} traces")
-    sessions = [load_weka_trace_file(path) for path in paths]
+    sessions, throttle = [], Throttle()
+    for index, path in enumerate(paths):
+        if throttle.due():
+            report(f"loaded {index}/{len(paths)} traces")
+        sessions.append(load_weka_trace_file(path))
     replay = build_replay(sessions, args.lanes, args.stagger, args.hint_sigma, args.seed)
     report(f"{len(replay.requests)} requests, {replay.input_tokens:,} input tokens")
     config = KVSimConfig(lanes=args.lanes, hbm_tokens=args.hbm_tokens, host_tokens=args.host_tokens,
                          disk_tokens=args.disk_tokens, policies=policies, retention=args.retention,
-                         policy_options=_policy_options(args.policy_option), progress_every_s=args.progress_every,
+                         policy_options=_policy_options(args.policy_option),
                          states=_state_plan(args, replay.block_tokens))
-    summary = simulate(replay, config, report)
+    summary = simulate(replay, config, report, show_bar=not is_quiet())
     summary["config"].update(traces=args.traces, num_trace_files=len(paths), hint_sigma=args.hint_sigma,
                              seed=args.seed)
     summary["seconds"] = round(time.perf_counter() - started, 1)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +26,7 @@ from agentjax.bench.sweep import pareto_front
 from agentjax.bench.traces import Session
 from agentjax.config import EngineConfig
 from agentjax.errors import AgentjaxError, InvalidRequestError
+from agentjax.progress import ProgressBar
 
 logger = logging.getLogger(__name__)
 
@@ -47,28 +46,6 @@ def candidate_layouts(shape: ModelShape, gpus: int, role: str) -> list[Layout]:
     if gpus > 1 and role == "prefill" and gpus % 2 == 0:
         layouts.append(Layout(tp=gpus // 2, pcp=2))
     return layouts
-
-
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
-        self.total, self.label, self.enabled = max(total, 1), label, enabled
-        self.done = 0
-        self.started = time.perf_counter()
-
-    def advance(self, count: int = 1, note: str = "") -> None:
-        self.done = min(self.total, self.done + count)
-        if not self.enabled:
-            return
-        width = 30
-        filled = int(width * self.done / self.total)
-        elapsed = time.perf_counter() - self.started
-        sys.stderr.write(f"\r[{self.label}] [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                         f"{elapsed:5.0f}s {note[:60]:<60}")
-        if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 @dataclass
@@ -105,7 +82,7 @@ def _level_figures(summary: dict, lanes: int, duration_s: float) -> dict:
 
 
 def profile_config(plan: SaturationPlan, sessions: Sequence[Session], layout: Layout, role: str,
-                   progress: Progress | None = None) -> dict:
+                   progress: ProgressBar | None = None) -> dict:
     """One (role, layout): AgentX levels until requests/s stop growing."""
     engine = plan.engine
     if role == "decode":  # the prompt's KV arrives whole (its transfer time is added by pd_sweep)
@@ -158,7 +135,7 @@ def saturation(plan: SaturationPlan, sessions: Sequence[Session], show_progress:
     jobs = [(role, layout) for gpus in plan.gpu_counts for role in plan.roles
             for layout in ([Layout.parse(text) for text in plan.layouts if Layout.parse(text).gpus == gpus]
                            if plan.layouts else candidate_layouts(plan.shape, gpus, role))]
-    progress = Progress(len(jobs) * len(plan.levels), "saturation", show_progress)
+    progress = ProgressBar(len(jobs) * len(plan.levels), "saturation", enabled=show_progress)
     configs = [profile_config(plan, sessions, layout, role, progress) for role, layout in jobs]
     return {"label": PROJECTION, "model": plan.shape.name, "device": plan.device.name,
             "gpu_price_per_hour": plan.device.price_per_hour, "min_interactivity": plan.min_interactivity,

@@ -228,7 +228,8 @@ class VirtualOffloadWorker:
 
     def _loaded(self, job_id: int, disk_keys: list) -> None:
         disk = self.connector.disk
-        failed = {key for key in disk_keys if not disk.contains(key)}  # evicted before the read: recomputed
+        failed = {key: ("missing", "evicted before the read") for key in disk_keys
+                  if not disk.contains(key)}  # recomputed
         self.connector.results.put(("load", job_id, failed))
 
 

@@ -235,15 +235,17 @@ def prefill_only(sessions: Sequence[Session]) -> list[Session]:
 
 
 def simulate_agentx(config: AgentxConfig, target: SimTarget, sessions: Sequence[Session] | None = None,
-                    gpu_price_per_hour: float | None = None, step_log: list | None = None) -> dict:
+                    gpu_price_per_hour: float | None = None, step_log: list | None = None,
+                    progress: bool = False) -> dict:
     """The AgentX replay of `config` against `target`, on a virtual clock. Returns the summary of
     `agentjax bench agentx` (TPGS, P90 interactivity, hit rate, TTFT/ITL/E2E percentiles) plus the
     step statistics and, with a GPU price, the cost per million tokens against the API.
-    `step_log`, if given, receives (seconds, rows per rank) for every step (of every instance)."""
+    `step_log`, if given, receives (seconds, rows per rank) for every step (of every instance); `progress`
+    shows a bar of simulated seconds against the duration."""
     sessions = load_sessions(config) if sessions is None else sessions
     if target.role == "prefill":
         sessions = prefill_only(sessions)
-    config = dataclasses.replace(config, gpus=target.gpus, progress=False)
+    config = dataclasses.replace(config, gpus=target.gpus, progress=progress)
     clock = VirtualClock()
     loop = VirtualTimeLoop(clock)
     placement = None
@@ -259,7 +261,7 @@ def simulate_agentx(config: AgentxConfig, target: SimTarget, sessions: Sequence[
             placement = PolicyPlacement(target.router, instances, label="instance")
             backend = FleetBackend([EngineBackend(i, clock=clock, step_delay=t.take_deferred) for i, t in built],
                                    placement)
-        summary = loop.run_until_complete(AgentxRun(config, sessions, backend, clock=clock).run())
+        summary = loop.run_until_complete(AgentxRun(config, sessions, backend, clock=clock, label="simulate").run())
     finally:
         loop.close()
     if step_log is not None:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from agentjax.bench.agentx import DEFAULT_TRACES
+from agentjax.model_specs import FULL_SIZE_NAMES, PRESET_NAMES
 
 
 def _ints(text: str) -> list[int]:
@@ -23,37 +24,51 @@ def _ints(text: str) -> list[int]:
 
 
 def _add_target_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="preset:tiny-dense",
-                        help="deepseek-v4-pro, kimi-k3, minimax-m3 (full-size shapes) or preset:NAME")
-    parser.add_argument("--gpu", default="B300", help="H200, B200, B300, GB300 or CPU")
-    parser.add_argument("--efficiency", default=None, help="JSON file of efficiency factors (a device check's fit)")
-    parser.add_argument("--gpu-price", type=float, default=None, help="dollars per GPU-hour (default: the table's)")
-    parser.add_argument("--traces", default=DEFAULT_TRACES, help="directory of weka traces")
-    parser.add_argument("--context-scale", type=float, default=1.0, help="shrink every length by this factor")
-    parser.add_argument("--duration", type=float, default=120.0, help="simulated seconds of sending new turns")
-    parser.add_argument("--think-scale", type=float, default=1.0,
-                        help="multiply recorded think times (AgentX replays them: 1.0, capped at 300 s)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default: the model's)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    parser.add_argument("--prefill-schedule-interval", type=int, default=1)
-    parser.add_argument("--router", choices=("sticky", "prefix", "queue"), default="sticky",
-                        help="the router policy (agentjax/router/policies.py) placing requests on DEP ranks and instances")
-    parser.add_argument("--spec-decode", action="store_true",
-                        help="speculative decoding with the model's stated drafter and acceptance rates (off by default)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per decode row (with --spec-decode)")
-    parser.add_argument("--spec-acceptance", default=None,
-                        help="comma-separated acceptance per draft position, e.g. 0.85,0.75,0.65 (with --spec-decode)")
-    parser.add_argument("--offload", action="store_true",
-                        help="KV offload tiers at 80%% of the GPU table's host memory and 90%% of its disk per GPU")
-    parser.add_argument("--host-cache-gb", type=float, default=0.0, help="host KV tier per GPU, GB (default 0: off)")
-    parser.add_argument("--disk-cache-gb", type=float, default=0.0, help="disk KV tier per GPU, GB (default 0: off)")
-    parser.add_argument("--kv-offload-retention", choices=("interval", "marconi"), default="interval")
-    parser.add_argument("--no-padding", action="store_true",
-                        help="charge real token counts, not agentjax's padded shape buckets (a runner with exact shapes)")
-    parser.add_argument("--min-interactivity", type=float, default=50.0, help="P90 interactivity target, tok/s")
+    target = parser.add_argument_group("Target", "the model and the device the projection is for")
+    add = target.add_argument
+    add("--model", default="preset:tiny-dense",
+        help=f"{', '.join(FULL_SIZE_NAMES)} (full-size shapes) or preset:NAME ({', '.join(PRESET_NAMES)})")
+    add("--gpu", default="B300", help="H200, B200, B300, GB300 or CPU")
+    add("--efficiency", default=None, help="JSON file of efficiency factors, a device check's fit "
+        "(default: the table's unfitted factors)")
+    add("--gpu-price", type=float, default=None, help="dollars per GPU-hour (default: the table's)")
+    traffic = parser.add_argument_group("Traffic", "the traces the simulated AgentX replay sends")
+    add = traffic.add_argument
+    add("--traces", default=DEFAULT_TRACES, help="directory of weka traces")
+    add("--context-scale", type=float, default=1.0, help="shrink every length by this factor")
+    add("--duration", type=float, default=120.0, help="simulated seconds of sending new turns")
+    add("--think-scale", type=float, default=1.0,
+        help="multiply recorded think times (AgentX replays them: 1.0, capped at 300 s)")
+    add("--seed", type=int, default=0, help="seed of the lanes' start turns and the acceptance draws")
+    add("--min-interactivity", type=float, default=50.0, help="P90 interactivity target, tok/s")
+    engine = parser.add_argument_group("Engine", "the simulated engine's settings")
+    add = engine.add_argument
+    add("--block-size", type=int, default=None, help="tokens per KV page (default: the model's)")
+    add("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    add("--max-num-seqs", type=int, default=256, help="rows in one step")
+    add("--long-prefill-token-threshold", type=int, default=0,
+        help="cap on one request's prefill tokens per step (0: none)")
+    add("--prefill-schedule-interval", type=int, default=1, help="admit new requests every Nth step")
+    add("--router", choices=("sticky", "prefix", "queue"), default="sticky",
+        help="the router policy (agentjax/router/policies.py) placing requests on DEP ranks and instances")
+    add("--no-padding", action="store_true",
+        help="charge real token counts, not agentjax's padded shape buckets (a runner with exact shapes)")
+    options = parser.add_argument_group("Options", "more of the real engine (off by default, so figures stay "
+                                        "comparable with earlier runs)")
+    add = options.add_argument
+    add("--spec-decode", action="store_true",
+        help="speculative decoding with the model's stated drafter and acceptance rates")
+    add("--num-speculative-tokens", type=int, default=None,
+        help="drafts per decode row with --spec-decode (default: the model's stated count)")
+    add("--spec-acceptance", default=None,
+        help="comma-separated acceptance per draft position, e.g. 0.85,0.75,0.65, with --spec-decode "
+             "(default: the model's stated rates)")
+    add("--offload", action="store_true",
+        help="KV offload tiers at 80%% of the GPU table's host memory and 90%% of its disk per GPU")
+    add("--host-cache-gb", type=float, default=0.0, help="host KV tier per GPU, GB (0: off)")
+    add("--disk-cache-gb", type=float, default=0.0, help="disk KV tier per GPU, GB (0: off)")
+    add("--kv-offload-retention", choices=("interval", "marconi"), default="interval",
+        help="which pages a finished turn stores in the tiers")
 
 
 def _target_parts(args: argparse.Namespace):
@@ -139,7 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     target = SimTarget(shape, device, Layout.parse(args.layout), engine, role=args.role, router=args.router,
                        pad_batches=not args.no_padding, speculation=speculation, offload=offload,
                        instances=args.instances)
-    summary = simulate_agentx(dataclasses.replace(agentx, lanes=args.lanes), target)
+    summary = simulate_agentx(dataclasses.replace(agentx, lanes=args.lanes), target, progress=True)
     summary["assumptions"] = assumptions(shape, device, engine, agentx, not args.no_padding, speculation, offload,
                                          args.router)
     copies = f"{target.instances} x " if target.instances > 1 else ""
@@ -222,36 +237,43 @@ def cmd_pd(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_sweep_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_sweep_parser(subparsers: argparse._SubParsersAction,
+                     formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> argparse.ArgumentParser:
     """Adds `sweep` and its subcommands to the `agentjax` command's subparsers."""
-    sweep = subparsers.add_parser("sweep", help="plan a deployment on the simulator (projections)")
-    sub = sweep.add_subparsers(dest="sweep_command", required=True)
+    sweep = subparsers.add_parser("sweep", help="plan a deployment on the simulator (projections)",
+                                  formatter_class=formatter)
+    sub = sweep.add_subparsers(dest="sweep_command", required=True, metavar="STEP")
 
-    simulate = sub.add_parser("simulate", help="one simulated AgentX replay on one instance")
+    def add(name: str, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, description=kwargs["help"], formatter_class=formatter, **kwargs)
+
+    simulate = add("simulate", help="one simulated AgentX replay on one instance")
     simulate.add_argument("--layout", default="tp1", help="tpN, depN, tpN-dcpN, pcpN-tpM, ppN-tpM (ppN-mbK-tpM)")
-    simulate.add_argument("--lanes", type=int, default=4)
+    simulate.add_argument("--lanes", type=int, default=4, help="concurrent sessions (AgentX concurrency)")
     simulate.add_argument("--instances", type=int, default=1,
                           help="copies of the instance behind the router (--router places each request)")
-    simulate.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
-    simulate.add_argument("--out", default=None, help="write the summary JSON here")
+    simulate.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed",
+                          help="what the instance runs: whole requests, prompts only, or decodes only")
+    simulate.add_argument("--out", default=None, help="write the summary JSON here (default: print only)")
     _add_target_flags(simulate)
     simulate.set_defaults(handler=cmd_simulate)
 
-    sat = sub.add_parser("saturation", help="prefill-only, decode-only and colocated max req/s per layout and GPU count")
+    sat = add("saturation", help="prefill-only, decode-only and colocated max req/s per layout and GPU count")
     sat.add_argument("--gpus", default="1,2", help="comma-separated GPU counts per instance")
     sat.add_argument("--layouts", default=None,
                      help="comma-separated layouts, ppN-tpM among them (default: candidates per GPU count)")
-    sat.add_argument("--roles", default="prefill,decode,mixed")
+    sat.add_argument("--roles", default="prefill,decode,mixed", help="comma-separated roles to profile")
     sat.add_argument("--levels", default="1,2,4,8,16", help="comma-separated AgentX concurrency levels")
     sat.add_argument("--out-dir", default="plan", help="writes saturation.json and saturation.png here")
     _add_target_flags(sat)
     sat.set_defaults(handler=cmd_saturation)
 
-    pd = sub.add_parser("pd", help="P/D ratios from the saturation results: Pareto frontier of TPGS vs P90 interactivity")
+    pd = add("pd", help="P/D ratios from the saturation results: Pareto frontier of TPGS vs P90 interactivity")
     pd.add_argument("--saturation", default="plan/saturation.json",
                     help="saturation.json, or several (comma-separated) runs of the same model and device")
     pd.add_argument("--gpus-total", type=int, default=None, help="GPU budget of the deployment (default: the largest instance)")
-    pd.add_argument("--min-interactivity", type=float, default=None, help="default: the saturation run's")
+    pd.add_argument("--min-interactivity", type=float, default=None,
+                    help="P90 interactivity target, tok/s (default: the saturation run's)")
     pd.add_argument("--out-dir", default="plan", help="writes pd.json and pd.png here")
     pd.set_defaults(handler=cmd_pd)
     return sweep

@@ -2,8 +2,7 @@
 
 Loads weka traces (sessions, turns, subagents, 64-token hash ids) and Mooncake FAST'25 JSONL (one
 request a line, 512-token blocks, global hash ids), scales them by `context_scale`, and turns hash ids
-into deterministic, lane-salted prompt token ids (statistics of a stream: `trace_stats`). Host only: never imports jax (nor grain, whose
-dataset module imports jax).
+into deterministic, lane-salted prompt token ids (statistics of a stream: `trace_stats`). Host only: never imports jax.
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from agentjax.errors import InvalidRequestError
+from agentjax.progress import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,12 @@ def load_weka_traces(directory: str | Path, context_scale: float = 1.0) -> list[
     paths = sorted(directory.glob("*.json.gz")) + sorted(directory.glob("*.json"))
     if not paths:
         raise InvalidRequestError(f"no weka traces (*.json.gz, *.json) in {directory}")
-    sessions = [load_weka_trace_file(path, context_scale) for path in paths]
-    logger.info("loaded %d weka sessions from %s", len(sessions), directory)
+    sessions, throttle = [], Throttle()
+    for index, path in enumerate(paths):
+        if throttle.due():
+            logger.info("loading traces from %s: %d/%d files (%.0f s)", directory, index, len(paths), throttle.elapsed)
+        sessions.append(load_weka_trace_file(path, context_scale))
+    logger.info("loaded %d weka sessions from %s in %.1f s", len(sessions), directory, throttle.elapsed)
     return sessions
 
 

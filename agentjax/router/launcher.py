@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from agentjax.router.policies import POLICIES
+from agentjax.server.tenancy import OPERATOR_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    add("--port", type=int, default=8080)
+    frontend = parser.add_argument_group("Frontend", "where the router listens")
+    frontend.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1: this machine only)")
+    frontend.add_argument("--port", type=int, default=8080, help="port to listen on")
+    frontend.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+                          help="seconds to let replies finish on SIGTERM")
+    replicas = parser.add_argument_group("Replicas", "the agentjax serve processes behind the router")
+    add = replicas.add_argument
     add("--replica", action="extend", nargs="+", default=[], metavar="URL",
         help="an agentjax serve replica (http://HOST:PORT) that serves any turn; several may follow one flag, and the flag may repeat")
     add("--prefill-replica", action="extend", nargs="+", default=[], metavar="URL",
@@ -24,6 +30,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     add("--decode-replica", action="extend", nargs="+", default=[], metavar="URL",
         help="a replica that pulls that KV from Mooncake and replies (--policy pd), or serves later turns "
              "(--policy pools)")
+    routing = parser.add_argument_group("Routing", "where each request goes and when sessions move")
+    add = routing.add_argument
     add("--policy", choices=POLICIES, default=None,
         help="sticky: a session's turns stay on one replica (the default, unless both --prefill-replica and "
              "--decode-replica are given); pd: prefill/decode disaggregation over Mooncake (the default with "
@@ -33,6 +41,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-imbalance", type=int, default=None,
         help="sticky: move a session whose replica holds this many more requests than the least loaded "
              "(default: never); prefix: prefer the least loaded beyond it (default 8)")
+    add("--migration-min-gap", type=float, default=0.0,
+        help="a session moves with its KV prefetched only when its agent hints announce a tool gap "
+             "(expected_next_turn_s) at least this long, or announce none")
+    health = parser.add_argument_group("Health and timeouts", "when a replica counts as down")
+    add = health.add_argument
     add("--health-interval", type=float, default=1.0, help="seconds between health checks of each replica")
     add("--unhealthy-after", type=int, default=2, help="failed health checks in a row before a replica is down "
         "(a refused connection counts at once)")
@@ -40,10 +53,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-transfer-timeout", type=float, default=120.0,
         help="seconds to wait for a P/D prefill step or a migration's prefetch (the P/D request falls back to "
              "one replica beyond it)")
-    add("--migration-min-gap", type=float, default=0.0,
-        help="a session moves with its KV prefetched only when its agent hints announce a tool gap "
-             "(expected_next_turn_s) at least this long, or announce none")
-    add("--timeout-graceful-shutdown", type=float, default=30.0, help="seconds to let replies finish on SIGTERM")
+    add("--operator-key", default=os.environ.get(OPERATOR_KEY_ENV), metavar="KEY",
+        help="the replicas' operator key: the router's health, metrics, KV event and prompt hash calls send it "
+             "(replicas with keys answer those only to an operator), and the router's own /metrics and "
+             f"/router/* routes then need it (default: ${OPERATOR_KEY_ENV}, else none)")
 
 
 def default_policy(args: argparse.Namespace) -> str:
@@ -66,11 +79,18 @@ def cmd_router(args: argparse.Namespace) -> int:
     policy = make_policy(default_policy(args), replicas, args.max_imbalance)
     router = Router(replicas, policy, upstream_timeout_s=args.upstream_timeout,
                     health_interval_s=args.health_interval, unhealthy_after=args.unhealthy_after,
-                    kv_transfer_timeout_s=args.kv_transfer_timeout, migration_min_gap_s=args.migration_min_gap)
-    logger.warning("agentjax router on http://%s:%d", args.host, args.port)
+                    kv_transfer_timeout_s=args.kv_transfer_timeout, migration_min_gap_s=args.migration_min_gap,
+                    operator_key=args.operator_key)
+    policy_name = default_policy(args)
+
+    def ready() -> None:
+        logger.info("router ready on http://%s:%d/v1: %d replicas, policy %s", args.host, args.port,
+                    len(replicas), policy_name)
+
     server = graceful_server(uvicorn.Config(create_router_app(router), host=args.host, port=args.port,
                                            log_level=args.log_level.lower(), access_log=False,
                                            timeout_keep_alive=CLIENT_KEEPALIVE_S,
-                                           timeout_graceful_shutdown=args.timeout_graceful_shutdown))
+                                           timeout_graceful_shutdown=args.timeout_graceful_shutdown),
+                             on_ready=ready)
     server.run()
     return 0

@@ -11,6 +11,7 @@ each row's next draft tokens (`last_drafts`); a draft model's parameters and KV 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -22,14 +23,31 @@ import numpy as np
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool, copy_pool_pages, new_pool
+from agentjax.progress import Heartbeat
 from agentjax.ragged_batch import STATE_SAVE_BUCKETS, RaggedBatch, bucket
-from agentjax.runner.compilation_cache import enable_compilation_cache
+from agentjax.runner.compilation_cache import compile_notice, describe_step_shape, enable_compilation_cache
 from agentjax.runner.drafters import SpecInputs
 from agentjax.runner.extras import StepExtras, penalty_inputs, prompt_logprob_inputs
 from agentjax.runner.sampler import SamplingMetadata
 from agentjax.runner.step import make_sampling_step
 
 logger = logging.getLogger(__name__)
+
+
+def kv_memory_summary(kv_layout, num_pages: int, page_size: int) -> str:
+    """What the KV allocation holds, for the log: a pool's slabs and page groups, or pages of one size."""
+    if kv_layout is None or kv_layout.mode != "pool":
+        return f"{num_pages - 1} pages of {page_size} tokens"
+    if len(kv_layout.groups) == 1 and kv_layout.groups[0].pages_per_slab == 1:  # a slab is a page
+        return f"{num_pages - 1} pages of {kv_layout.groups[0].tokens_per_page} tokens"
+    groups = ", ".join(f"{name} {g.tokens_per_page}" for name, g in zip(kv_layout.group_names(), kv_layout.groups))
+    return (f"{kv_layout.num_slabs - 1} slabs of {kv_layout.slab_bytes / 2**20:.2f} MiB shared by "
+            f"{len(kv_layout.groups)} page groups (tokens per page: {groups})")
+
+
+def kv_cache_bytes(kv_pages) -> int:
+    """Bytes the KV buffers hold (over every device, for sharded buffers)."""
+    return sum(int(buffer.nbytes) for buffer in jax.tree.leaves(kv_pages))
 
 # Copies per call, padded to these sizes (pad copies move the null page onto itself).
 COPY_BUCKETS = (4, 16, 64, 256)
@@ -74,7 +92,11 @@ class ModelRunner:
         self.numerics = numerics
         self.drafting = drafting
         self.drafter = make_drafter(cfg, drafting, numerics, page_size, kv_layout) if drafting is not None else None
-        self.kv_pages = self._new_kv_pages()
+        what = kv_memory_summary(kv_layout, self.num_pages, page_size)
+        with Heartbeat(logger, f"allocating the KV cache: {what}", doing="allocating the KV cache") as beat:
+            self.kv_pages = self._new_kv_pages()
+        logger.info("KV cache: %s (and the null %s), %.2f GiB on the device (%.1f s)", what,
+                    "page" if what.endswith("tokens") else "slab", kv_cache_bytes(self.kv_pages) / 2**30, beat.elapsed)
         self.state_groups = kv_layout.state_groups() if pooled else state_group_ids(cfg)
         self.state_interval = kv_layout.state_interval() if kv_layout is not None else 0
         self._steps = {
@@ -117,12 +139,12 @@ class ModelRunner:
         positions, row after row. With a drafter, `next_tokens[row]` is the known token after the row's
         last one (-1 where the row's sample is kept) and `last_drafts` holds the next drafts."""
         batch, meta, greedy_only = self._prepare(rows, sampling, token_bitmask, kv_copies, sample_counts)
-        self._note_shape(self._shape_key(batch, greedy_only))
         started = time.perf_counter()
-        spec = self._spec_inputs(batch, rows, next_tokens)
-        tokens, self.kv_pages = self._steps[greedy_only](self.step_params, self.kv_pages, batch, meta, *spec)
-        tokens = self._take_drafts(tokens, len(rows))
-        tokens = np.asarray(jax.device_get(tokens))[: sum(sample_counts) if sample_counts else len(rows)]
+        with self._compiling(self._shape_key(batch, greedy_only)):
+            spec = self._spec_inputs(batch, rows, next_tokens)
+            tokens, self.kv_pages = self._steps[greedy_only](self.step_params, self.kv_pages, batch, meta, *spec)
+            tokens = self._take_drafts(tokens, len(rows))
+            tokens = np.asarray(jax.device_get(tokens))[: sum(sample_counts) if sample_counts else len(rows)]
         self.last_device_s = time.perf_counter() - started
         return tokens
 
@@ -163,13 +185,14 @@ class ModelRunner:
         mode = self.logprobs_mode if extras.logprobs else None
         step = self._sampling_step(greedy_only, penalties=penalties is not None, logprobs_mode=mode,
                                    prompt_logprobs=prompt is not None)
-        self._note_shape((*self._shape_key(batch, greedy_only), penalties is not None and penalties.token_ids.shape[1],
-                          mode, prompt is not None and prompt.indices.shape[0]))
+        key = (*self._shape_key(batch, greedy_only), penalties is not None and penalties.token_ids.shape[1],
+               mode, prompt is not None and prompt.indices.shape[0])
         started = time.perf_counter()
-        spec = self._spec_inputs(batch, rows, next_tokens)
-        tokens, aux, self.kv_pages = step(self.step_params, self.kv_pages, batch, meta, penalties, prompt, *spec)
-        tokens = self._take_drafts(tokens, len(rows))
-        tokens, aux = jax.device_get((tokens, aux))
+        with self._compiling(key):
+            spec = self._spec_inputs(batch, rows, next_tokens)
+            tokens, aux, self.kv_pages = step(self.step_params, self.kv_pages, batch, meta, penalties, prompt, *spec)
+            tokens = self._take_drafts(tokens, len(rows))
+            tokens, aux = jax.device_get((tokens, aux))
         self.last_device_s = time.perf_counter() - started
         num_samples = sum(sample_counts) if sample_counts else len(rows)
         out: dict = {}
@@ -218,10 +241,12 @@ class ModelRunner:
                 sample = stop
         return batch, meta, greedy_only
 
-    def _note_shape(self, key: tuple) -> None:
-        if key not in self.compiled_shapes:
-            logger.debug("compiling step for shape %s", key)
-            self.compiled_shapes.add(key)
+    def _compiling(self, key: tuple):
+        """Around a step call: the first call of a new shape compiles, and says so (agentjax.progress)."""
+        if key in self.compiled_shapes:
+            return contextlib.nullcontext()
+        self.compiled_shapes.add(key)
+        return compile_notice(describe_step_shape(key))
 
     def copy_pages(self, copies: Sequence[tuple[int, int, int]]) -> None:
         """Run page copies group by group, each group's in the order given."""

@@ -7,7 +7,9 @@ the host pool (one `pinned_host` array per group) or hand them to a tier thread 
 loads scatter host-pool pages back at once and fetch disk and Mooncake pages in those threads, to
 be scattered at a later step. Every dispatch is asynchronous: the host never waits on a copy, and
 the device orders each copy before the step that reads or overwrites its pages. A failed fetch
-leaves its page out (the request recomputes it); a failing tier is degraded, never fatal.
+leaves its page out (the request recomputes it) and reports why; a load that waits on a tier silent
+for `load_timeout_s` (`InFlightLoads`) is given up and that tier degraded; a failing tier is
+degraded, never fatal.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from agentjax.config import EngineConfig
 from agentjax.errors import CorruptCheckpointError, OffloadTierError
 from agentjax.kv.cache_layout import kv_buffer_specs
 from agentjax.kv.offload.connector import OffloadConnector
@@ -30,6 +33,7 @@ from agentjax.kv.offload.transfers import KVTransfers, LoadJob, StoreJob
 from agentjax.kv.offload.disk import DiskFullError, DiskTier
 from agentjax.kv.groups import CheckpointGroup
 from agentjax.kv.offload.host import HostPageIndex
+from agentjax.kv.offload.inflight import InFlightLoads
 from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryScore
 from agentjax.kv.offload.mooncake import MooncakeError, MooncakeTier
 from agentjax.kv.offload.tiers import OffloadStats, TierHealth, TIER_NAMES
@@ -51,7 +55,8 @@ def _padded(values: list[int], size: int, fill: int | None = None) -> np.ndarray
 class OffloadWorker:
     """Host page pools, the jitted page movers and one thread per remote tier."""
 
-    def __init__(self, model_cfg, page_size: int, connector: OffloadConnector, host_slots: int = 0, kv_layout=None):
+    def __init__(self, model_cfg, page_size: int, connector: OffloadConnector, host_slots: int = 0,
+                 load_timeout_s: float = EngineConfig.kv_load_timeout_s, kv_layout=None):
         """`kv_layout` (a `KVMemoryLayout`): the engine's KV memory is its pool; else per-kind buffers of
         `page_size`-token pages (agentjax/runner/page_mover.py moves either)."""
         self.connector = connector
@@ -69,8 +74,7 @@ class OffloadWorker:
         self.host_pools = [self.mover.new_host_pool(group, host_slots) for group in range(num_groups)] if host_slots \
             else []
         self._fetched: queue.Queue = queue.Queue()
-        self._parts: dict[int, int] = {}  # load job id -> parts not yet scattered
-        self._failed: dict[int, set] = defaultdict(set)
+        self.loads = InFlightLoads(load_timeout_s)  # the parts of each load job still out, and its deadline
         self._queues: dict[str, queue.PriorityQueue] = {}
         self._sequence = 0
         self._threads = []
@@ -94,13 +98,19 @@ class OffloadWorker:
                 self._load(runner, job)
         while True:
             try:
-                job_id, group, values, pages, failed = self._fetched.get_nowait()
+                job_id, part, values, pages, failed = self._fetched.get_nowait()
             except queue.Empty:
                 break
-            self._failed[job_id] |= failed
+            if self.loads.given_up(job_id):  # past its deadline: its pages may be another request's now
+                self.loads.part_done(job_id, part, failed)
+                continue
             if len(pages):
-                self._scatter_into(runner, group, values, pages)
-            self._part_done(job_id)
+                self._scatter_into(runner, part[1], values, pages)
+            self._part_done(job_id, part, failed)
+        for job_id, failed, late in self.loads.expire():
+            for tier, pages in late.items():
+                self._timed_out(tier, pages)
+            self.results.put(("load", job_id, failed))
 
     def wait(self, timeout_s: float) -> None:
         """Block until a tier thread reports or the scheduler side has a result (idle engine steps)."""
@@ -197,6 +207,8 @@ class OffloadWorker:
                 logger.warning("KV offload %s store failed: %s", tier, error)
             else:
                 stored.append(key)
+            finally:
+                self.loads.answered(tier)  # a tier busy writing is alive: the loads behind it wait on
         if stored:
             self.stats.add("pages_stored", tier, len(stored))
             self.results.put(("stored", tier, stored))
@@ -210,59 +222,68 @@ class OffloadWorker:
             except MooncakeError as error:
                 self.health["mooncake"].fail("unreachable", str(error))
                 self.results.put(("remote_down", "mooncake"))
+            finally:
+                self.loads.answered("mooncake")
         self.results.put(("probe", request_id, present))
 
     def _load(self, runner, job: LoadJob) -> None:
+        """Host pages are scattered now; each (tier, group) part of the rest goes to its tier thread, and
+        the job completes (a "load" result) when every part has reported or its deadline has passed."""
         parts: dict[tuple[str, int], list] = defaultdict(list)
         for transfer in job.pages:
             parts[(transfer.tier, transfer.group)].append(transfer)
-        self._parts[job.job_id] = len(parts) + 1  # +1: this dispatch itself
+        remote = {part: transfers for part, transfers in parts.items() if part[0] != "host"}
+        self.loads.open(job.job_id, remote)
         for (tier, group), transfers in parts.items():
             if tier == "host":
                 size = bucket(len(transfers), TRANSFER_BUCKETS)
                 slots = _padded([t.slot for t in transfers], size)
                 pages = _padded([t.page for t in transfers], size)
                 runner.kv_pages = self.mover.host_load(runner.kv_pages, group, self.host_pools[group], slots, pages)
-                self._part_done(job.job_id)
             else:
                 self._submit(tier, 0, functools.partial(self._fetch, tier, job.job_id, group, transfers))
-        self._part_done(job.job_id)
+        if not remote:
+            self._part_done(job.job_id, None, {})
 
     def _fetch(self, tier: str, job_id: int, group: int, transfers: list) -> None:
         page_bytes = self.mover.page_bytes(group)
         values = self.mover.empty_values(group, len(transfers))
         pages: list[int] = []
         rows: list[int] = []
-        failed: set = set()
+        failed: dict = {}
         for transfer in transfers:
             key = (group, transfer.key)
+            if self.loads.given_up(job_id):  # the request went on without it: fetch no more
+                break
             if not self.health[tier].usable():
                 self.stats.add("load_failures", tier, reason="degraded")
-                failed.add(key)
+                failed[key] = ("degraded", f"the {tier} tier is out of use ({self.health[tier].reason})")
                 continue
             try:
                 if tier == "disk":
                     data = self.disk.read(key, page_bytes)
                 else:
                     data = self.mooncake.get(key, page_bytes)
-            except KeyError:
+            except KeyError:  # the disk tier dropped the file from its index; Mooncake evicted the object
                 self.stats.add("load_failures", tier, reason="missing")
-                failed.add(key)
+                failed[key] = ("missing", f"{tier} KV page {transfer.key.hex()[:16]} of group {group} is gone")
                 continue
-            except CorruptCheckpointError as error:
+            except CorruptCheckpointError as error:  # the disk tier deleted the file
                 self.stats.add("load_failures", tier, reason="checksum")
-                logger.warning("%s; its tokens are recomputed", error)
-                failed.add(key)
+                failed[key] = ("checksum", str(error))
                 continue
             except MooncakeError as error:
                 self.stats.add("load_failures", tier, reason="error")
                 self.health[tier].fail("unreachable", str(error))
                 self.results.put(("remote_down", tier))
-                failed.add(key)
+                failed[key] = ("error", str(error))
                 continue
+            finally:
+                self.loads.answered(tier)
             self.mover.put_payload(values, len(rows), group, data)
             rows.append(len(rows))
             pages.append(transfer.page)
+        self.loads.fetched(job_id, (tier, group))  # the padding and the device copy below are no tier's delay
         if pages:  # pad to a compiled size and start the host-to-device copy here, off the step path
             size = bucket(len(pages), TRANSFER_BUCKETS)
             axis = self.mover.page_axis
@@ -272,17 +293,28 @@ class OffloadWorker:
                 values = np.concatenate([values, np.repeat(last, size - len(pages), axis=axis)], axis=axis)
             values = jax.device_put(values, self.device_sharding)
             pages = _padded(pages, size)
-        self._fetched.put((job_id, group, values, pages, failed))
+        self._fetched.put((job_id, (tier, group), values, pages, failed))
 
     def _scatter_into(self, runner, group: int, values, pages: np.ndarray) -> None:
         """Write fetched pages (already on the device, padded) into the group's pages."""
         runner.kv_pages = self.mover.scatter(runner.kv_pages, group, values, pages)
 
-    def _part_done(self, job_id: int) -> None:
-        self._parts[job_id] -= 1
-        if self._parts[job_id] == 0:
-            del self._parts[job_id]
-            self.results.put(("load", job_id, self._failed.pop(job_id, set())))
+    def _part_done(self, job_id: int, part, failed: dict) -> None:
+        if part is None:  # a job of host pages only: done at dispatch
+            self.results.put(("load", job_id, failed))
+            return
+        done = self.loads.part_done(job_id, part, failed)
+        if done is not None:
+            self.results.put(("load", job_id, done))
+
+    def _timed_out(self, tier: str, pages: int) -> None:
+        """A load waited `load_timeout_s` on `tier` without its thread answering: the thread is stuck (a dead
+        peer, a hung disk). Take the tier out of use so that no other request waits on it; Mooncake
+        forgets what it held."""
+        self.stats.add("load_failures", tier, pages, reason="timeout")
+        self.health[tier].fail("timeout", f"a load waited {self.loads.timeout_s:g} s without an answer from it")
+        if tier == "mooncake":
+            self.results.put(("remote_down", tier))
 
     def close(self) -> None:
         for tier in self._queues:
@@ -343,7 +375,8 @@ def build_offload(engine_cfg, model_cfg, params, kv) -> tuple[OffloadConnector, 
         raise OffloadTierError("no KV offload tier was asked for (host_cache_gb, disk_cache_dir, mooncake_master)")
     connector = OffloadConnector(kv, host, disk, mooncake, engine_cfg.kv_offload_retention, stats, health,
                                  entry_score=tier_entry_score(model_cfg, kv, engine_cfg.block_size))
-    worker = OffloadWorker(model_cfg, engine_cfg.block_size, connector, host_slots, kv_layout=kv.layout)
+    worker = OffloadWorker(model_cfg, engine_cfg.block_size, connector, host_slots, engine_cfg.kv_load_timeout_s,
+                           kv_layout=kv.layout)
     logger.warning("KV offload tiers: %s (namespace %s%s)", ", ".join(connector.tiers), namespace,
                    f", {host_slots} host pages" if host_slots else "")
     return connector, worker

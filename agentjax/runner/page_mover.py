@@ -7,12 +7,16 @@ into it, and scatters host or fetched pages back, each as one jitted call per gr
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import numpy as np
 
 from agentjax.kv_buffers import KVPool, gather_group_pages, page_words, scatter_group_pages
+from agentjax.runner.compilation_cache import with_compile_notice
+
+# what each jitted move is called in the compile notices (agentjax/runner/compilation_cache.py)
+GATHER, HOST_PUT, HOST_LOAD, SCATTER = ("the KV page copy to the host", "the host tier's page store",
+                                        "the host tier's page load", "the KV page write")
 
 
 def _write_pages(buffer, values, pages):
@@ -34,11 +38,14 @@ class BufferPageMover:
     def __init__(self, specs, device_sharding, host_sharding):
         self.specs = specs
         self.device_sharding, self.host_sharding = device_sharding, host_sharding
-        self._gather = jax.jit(lambda buffer, pages: buffer[:, pages], out_shardings=host_sharding)
-        self._host_put = jax.jit(lambda pool, values, slots: pool.at[:, slots].set(values),
-                                 donate_argnums=(0,), out_shardings=host_sharding)
-        self._host_load = jax.jit(self._load_from_host, donate_argnums=(0,), out_shardings=device_sharding)
-        self._scatter = jax.jit(_write_pages, donate_argnums=(0,), out_shardings=device_sharding)
+        self._gather = with_compile_notice(jax.jit(lambda buffer, pages: buffer[:, pages],
+                                                   out_shardings=host_sharding), GATHER)
+        self._host_put = with_compile_notice(jax.jit(lambda pool, values, slots: pool.at[:, slots].set(values),
+                                                     donate_argnums=(0,), out_shardings=host_sharding), HOST_PUT)
+        self._host_load = with_compile_notice(jax.jit(self._load_from_host, donate_argnums=(0,),
+                                                      out_shardings=device_sharding), HOST_LOAD)
+        self._scatter = with_compile_notice(jax.jit(_write_pages, donate_argnums=(0,),
+                                                    out_shardings=device_sharding), SCATTER)
 
     def page_bytes(self, group: int) -> int:
         return self.specs[group].bytes_per_page
@@ -85,8 +92,8 @@ class PoolPageMover:
         self.layout = layout
         self.dtype = jax.numpy.dtype(layout.dtype)
         self.device_sharding, self.host_sharding = device_sharding, host_sharding
-        self._host_put = jax.jit(lambda pool, values, slots: pool.at[slots].set(values),
-                                 donate_argnums=(0,), out_shardings=host_sharding)
+        self._host_put = with_compile_notice(jax.jit(lambda pool, values, slots: pool.at[slots].set(values),
+                                                     donate_argnums=(0,), out_shardings=host_sharding), HOST_PUT)
         self._gathers, self._scatters, self._loads = {}, {}, {}
 
     def page_bytes(self, group: int) -> int:
@@ -97,9 +104,9 @@ class PoolPageMover:
 
     def gather(self, kv: KVPool, group: int, pages: np.ndarray):
         if group not in self._gathers:
-            self._gathers[group] = jax.jit(functools.partial(gather_group_pages, group=group),
-                                           out_shardings=self.host_sharding)
-        return self._gathers[group](kv, pages=pages)
+            gather = jax.jit(lambda kv, pages: gather_group_pages(kv, group, pages), out_shardings=self.host_sharding)
+            self._gathers[group] = with_compile_notice(gather, GATHER)
+        return self._gathers[group](kv, pages)
 
     def host_put(self, host_pool, values, slots: np.ndarray):
         return self._host_put(host_pool, values, slots)
@@ -110,13 +117,15 @@ class PoolPageMover:
                 values = pool[jax.device_put(slots, self.host_sharding)]
                 return scatter_group_pages(kv, group, jax.device_put(values, self.device_sharding), pages)
 
-            self._loads[group] = jax.jit(load, donate_argnums=(0,))
+            self._loads[group] = with_compile_notice(jax.jit(load, donate_argnums=(0,)), HOST_LOAD)
         return self._loads[group](kv, host_pool, slots, pages)
 
     def scatter(self, kv: KVPool, group: int, values, pages: np.ndarray) -> KVPool:
         if group not in self._scatters:
-            self._scatters[group] = jax.jit(functools.partial(scatter_group_pages, group=group), donate_argnums=(0,))
-        return self._scatters[group](kv, values=values, pages=pages)
+            scatter = jax.jit(lambda kv, values, pages: scatter_group_pages(kv, group, values, pages),
+                              donate_argnums=(0,))
+            self._scatters[group] = with_compile_notice(scatter, SCATTER)
+        return self._scatters[group](kv, values, pages)
 
     def payload(self, values: np.ndarray, row: int) -> np.ndarray:
         return np.ascontiguousarray(values[row]).view(np.uint8).reshape(-1)

@@ -63,7 +63,7 @@ class ShardedModelRunner(ModelRunner):
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
                  logprobs_mode: str = "raw_logprobs", *, parallel, devices=None, kv_layout=None):
         from sharding.mesh import build_mesh
-        from sharding.modules import place_parameters
+        from sharding.modules import place_parameters, specs_of
         from sharding.step import ShardedStep
 
         enable_compilation_cache()
@@ -75,6 +75,7 @@ class ShardedModelRunner(ModelRunner):
         self.mesh = build_mesh(parallel, devices)
         self.sharded = ShardedStep(cfg, parallel, self.mesh, numerics)
         self.params = place_parameters(params, self.sharded.plans, self.mesh)
+        self.sharded.param_specs = specs_of(self.params)  # stored (quantised) weights shard part by part
         self.kv_layout = kv_layout
         pooled = kv_layout is not None and kv_layout.mode == "pool"
         if kv_layout is not None:
@@ -131,13 +132,13 @@ class ShardedModelRunner(ModelRunner):
         batches = _common_page_tables(batches)
         greedy_only = all(s[0] == 0.0 for per_rank in sampling for s in per_rank)
         metas = [_sampling_metadata(s, seqs_bucket, self.cfg.vocab_size, greedy_only) for s in sampling]
-        self._note_shape((*batches[0].shape_key(), greedy_only, "ranks"))
         jitted = self.sharded.sampling_step(greedy_only)
         started = time.perf_counter()
-        tokens, self.kv_pages = jitted(self.params, self.kv_pages,
-                                       self._global(_stacked(list(zip(batches, metas))), "data"),
-                                       self._global(self._pcp_tokens([batches[0]] if ranks == 1 else batches), "pcp"))
-        tokens = self._fetch(tokens)
+        with self._compiling((*batches[0].shape_key(), greedy_only, "ranks")):
+            tokens, self.kv_pages = jitted(self.params, self.kv_pages,
+                                           self._global(_stacked(list(zip(batches, metas))), "data"),
+                                           self._global(self._pcp_tokens([batches[0]] if ranks == 1 else batches), "pcp"))
+            tokens = self._fetch(tokens)
         self.last_device_s = time.perf_counter() - started
         return [tokens[r, :len(rank_rows[r])] if rank_rows[r] else None for r in range(ranks)]
 

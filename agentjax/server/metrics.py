@@ -66,30 +66,51 @@ class _EngineCollector:
         for name, help_text, key in ENGINE_COUNTERS:
             value = stats.get(key, self.server_counts.get(key, 0))
             yield CounterMetricFamily(name, help_text, value=float(value))
-        if stats.get("kv_groups"):
-            yield from kv_group_metrics(stats["kv_groups"])
+        yield from kv_group_metrics(stats)
+        yield cached_blocks_by_group(stats)
         if "kv_offload" in stats:
             yield from offload_metrics(stats["kv_offload"])
         if "spec_decode" in stats:
             yield from spec_decode_metrics(stats["spec_decode"])
 
 
-def kv_group_metrics(groups: list[dict]):
+def kv_group_metrics(stats: dict):
     """`agentjax:kv_group_*_bytes` gauges and `agentjax:prefix_cache_group_hits` counters from
-    `Engine.stats()["kv_groups"]`, labelled by page group."""
+    `Engine.stats()["kv_groups"]`, labelled by page group (a data-parallel engine's ranks summed)."""
     for key, help_text in (("used_bytes", "KV bytes a page group holds: running requests' pages and cached pages."),
                            ("reserved_bytes", "KV bytes the memory layout sets aside for a page group.")):
         family = GaugeMetricFamily(f"agentjax:kv_group_{key}", help_text, labels=["group"])
-        for group in groups:
-            family.add_metric([group["group"]], float(group[key]))
+        totals: dict[str, float] = {}
+        for rank in stats.get("ranks", [stats]):
+            for group in rank.get("kv_groups", ()):
+                totals[group["group"]] = totals.get(group["group"], 0.0) + group[key]
+        for group, value in totals.items():
+            family.add_metric([group], value)
         yield family
     hits = CounterMetricFamily("agentjax:prefix_cache_group_hits",
                                "Prompt tokens a page group alone could serve from the prefix cache (a hit is "
                                "the least over the groups: a group below the others is where hits are lost).",
                                labels=["group"])
-    for group in groups:
-        hits.add_metric([group["group"]], float(group.get("hit_tokens", 0)))
+    hit_totals: dict[str, float] = {}
+    for rank in stats.get("ranks", [stats]):
+        for group in rank.get("kv_groups", ()):
+            hit_totals[group["group"]] = hit_totals.get(group["group"], 0.0) + group.get("hit_tokens", 0)
+    for group, value in hit_totals.items():
+        hits.add_metric([group], value)
     yield hits
+
+
+def cached_blocks_by_group(stats: dict) -> GaugeMetricFamily:
+    """`agentjax:kv_cached_blocks{group,kind}` (a data-parallel engine's ranks summed)."""
+    family = GaugeMetricFamily("agentjax:kv_cached_blocks", "Cached KV pages a prefix hit can reuse, per KV group "
+                               "(the groups share one pool).", labels=["group", "kind"])
+    totals: dict[tuple[str, str], float] = {}
+    for rank in stats.get("ranks", [stats]):
+        for group, kind, count in rank.get("kv_cached_blocks_by_group", ()):
+            totals[(str(group), kind)] = totals.get((str(group), kind), 0.0) + count
+    for labels, value in totals.items():
+        family.add_metric(list(labels), value)
+    return family
 
 
 # (metric name, help, key in Engine.stats()["spec_decode"]): vLLM's spec_decode_* counters

@@ -74,12 +74,12 @@ class ServerProcess:
 
 
 def start_server(log_dir: Path, *flags: str, api_key: str | None = None,
-                 command: list[str] | None = None) -> ServerProcess:
+                 command: list[str] | None = None, env: dict[str, str] | None = None) -> ServerProcess:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     argv = command or [sys.executable, "-m", "agentjax.cli", "--log-level", "INFO", "serve"]
     argv = [*argv, "--port", str(port), *flags]
-    env = dict(os.environ)
+    env = dict(os.environ, **(env or {}))
     if api_key:
         env["AGENTJAX_API_KEY"] = api_key
     with log_path.open("wb") as log:
@@ -111,8 +111,8 @@ def stop_server(server: ServerProcess, timeout: float = 60) -> int:
 
 @contextlib.contextmanager
 def running_server(tmp_path_factory, *flags: str, api_key: str | None = None,
-                   command: list[str] | None = None) -> Iterator[ServerProcess]:
-    server = start_server(tmp_path_factory.mktemp("server"), *flags, api_key=api_key, command=command)
+                   command: list[str] | None = None, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("server"), *flags, api_key=api_key, command=command, env=env)
     try:
         yield server
     finally:
@@ -127,8 +127,65 @@ def readme_main_command() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", setup, re.DOTALL)[0].split()
 
 
+def installed_venv(directory: Path) -> Path:
+    """A virtual environment `scripts/bootstrap.sh` takes as set up (AGENTJAX_VENV): its python is this
+    test process's, its `agentjax` runs this checkout's CLI, and its install stamp is fresh, so the
+    script's set-up steps only check and its command runs here."""
+    bin_dir = directory / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    scripts = {"python": f'exec "{sys.executable}" "$@"',  # a script, not a link: a venv's python finds
+               # its environment from the path it was started by
+               "agentjax": f'PYTHONPATH="{REPO}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" -m agentjax.cli "$@"'}
+    for name, line in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{line}\n")
+        (bin_dir / name).chmod(0o755)
+    (directory / ".agentjax-installed").touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def main_server(tmp_path_factory):
-    """The server the README's main command starts (embedded model, default flags), on a free port."""
-    with running_server(tmp_path_factory, command=readme_main_command()) as server:
+    """The server the README's main command starts (embedded model, default flags), on a free port,
+    through scripts/bootstrap.sh with this process's Python as its environment."""
+    venv = installed_venv(tmp_path_factory.mktemp("venv"))
+    with running_server(tmp_path_factory, command=readme_main_command(), env={"AGENTJAX_VENV": str(venv)}) as server:
         yield server
+
+
+PROBERS = tuple(f"prober-{i}" for i in range(8))  # one fresh tenant per probe: a probe caches itself
+TENANT_KEYS = {"alice": "key-alice", "bob": "key-bob", "team-1": "key-team-1", "team-2": "key-team-2",
+               "operator": "key-operator", **{name: f"key-{name}" for name in PROBERS}}
+KEYS_FILE = {"keys": [{"key": TENANT_KEYS["alice"]}, {"key": TENANT_KEYS["bob"]},
+                      {"key": TENANT_KEYS["team-1"], "namespace": "team"},
+                      {"key": TENANT_KEYS["team-2"], "namespace": "team"},
+                      {"key": TENANT_KEYS["operator"], "operator": True},
+                      *({"key": TENANT_KEYS[name]} for name in PROBERS)]}
+
+
+@pytest.fixture(scope="session")
+def tenant_server(tmp_path_factory):
+    """A keyed server (`--api-keys-file`: alice, bob, probers, two keys sharing the namespace "team", an operator)
+    with the host and disk tiers under a device pool too small to keep a few prompts, and an
+    `agentjax router --policy prefix` in front of it with the operator key. Shared by the tenancy and
+    edge-validation tests."""
+    import json
+
+    log_dir = tmp_path_factory.mktemp("tenants")
+    keys_file = log_dir / "keys.json"
+    keys_file.write_text(json.dumps(KEYS_FILE))
+    disk = tmp_path_factory.mktemp("tenant-disk")
+    server = start_server(log_dir, "--model", "preset:tiny-dense", "--num-kv-blocks", "48", "--host-cache-gb",
+                          "0.05", "--disk-cache-dir", str(disk), "--api-keys-file", str(keys_file),
+                          "--default-max-tokens", "4")  # a fuzzed body that loses its budget stays short
+    server.api_key = TENANT_KEYS["alice"]
+    router = None
+    try:
+        router = start_server(log_dir, "--policy", "prefix", "--health-interval", "0.2", "--replica",
+                              server.base_url, "--operator-key", TENANT_KEYS["operator"],
+                              command=[sys.executable, "-m", "agentjax.cli", "--log-level", "INFO", "router"])
+        server.router = router
+        yield server
+    finally:
+        if router is not None:
+            assert stop_server(router) == 0, router.log_tail()
+        assert stop_server(server) == 0, server.log_tail()

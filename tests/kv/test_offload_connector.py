@@ -40,7 +40,7 @@ def _evict_everything(kv: KVCacheManager) -> None:
 
 def _complete(connector: OffloadConnector, failed=()) -> None:
     for job in connector.take_transfers().loads:
-        connector.results.put(("load", job.job_id, set(failed)))
+        connector.results.put(("load", job.job_id, {key: ("checksum", "test") for key in failed}))
 
 
 @pytest.fixture
@@ -233,3 +233,107 @@ def test_a_load_waits_for_room_counting_the_free_resident_pages_it_holds_too():
     kv.free("other")  # room again: the next admission attempt stages the load
     assert connector.hold(follow) is True
     assert connector.stats.get("load_deferred", "all") == 1 and not connector._deferred
+
+
+def _small_pool_with_a_stored_turn() -> tuple[KVCacheManager, OffloadConnector, list[int]]:
+    """A 7-page pool whose 6-page turn went to the host tier and left the device."""
+    kv = KVCacheManager.from_specs([FULL], 8, block_size=BLOCK, cache_on_allocate=False)
+    connector = OffloadConnector(kv, host=HostPageIndex(1, 32))
+    _run_turn(kv, connector, _request("a", range(100, 124)))
+    connector.take_transfers()
+    _evict_everything(kv)
+    return kv, connector, list(range(100, 124)) + [1]
+
+
+def test_a_failed_load_releases_every_page_it_held_at_once():
+    kv, connector, tokens = _small_pool_with_a_stored_turn()
+    follow = _request("b", tokens)
+    hashes = kv._prepare(tokens, None)[1]
+    assert connector.hold(follow) and kv.pool.num_free == 1  # 6 staged pages of 7
+    _complete(connector, failed=[(0, hashes[2])])
+    assert connector.poll() == [follow]
+    assert kv.pool.num_free == kv.pool.num_pages - 1  # nothing held: the recompute has the whole pool
+    assert kv.lookup(tokens) == 2 * BLOCK  # the pages loaded before the failed one stay cached
+    assert connector.hold(follow) is False  # no second load of the same pages
+    assert kv.allocate("b", tokens) and kv.num_cached_tokens("b") == 2 * BLOCK  # 7 pages: 5 new, 2 hit
+    connector.on_admitted(follow)
+    kv.free("b")
+    kv.check_invariants()
+    assert connector.stats.get("failed_loads", "all") == 1
+
+
+def test_a_failed_load_is_recomputed_in_the_same_scheduling_pass_and_the_request_behind_it_follows():
+    from agentjax.config import EngineConfig
+    from agentjax.scheduler.scheduler import Scheduler
+
+    kv, connector, tokens = _small_pool_with_a_stored_turn()
+    scheduler = Scheduler(EngineConfig(block_size=BLOCK, max_num_batched_tokens=64), kv, offload=connector)
+    first, behind = _request("b", tokens), _request("c", range(300, 310))
+    behind.arrival_index = 1
+    scheduler.add(first)
+    scheduler.add(behind)
+    out = scheduler.schedule()
+    assert out.scheduled == [] and connector.num_held == 1 and scheduler.num_waiting == 2  # b parked, c behind
+    [job] = out.kv_transfers.loads  # the worker reports its third page corrupt
+    connector.results.put(("load", job.job_id, {(0, kv._prepare(tokens, None)[1][2]): ("checksum", "test")}))
+    out = scheduler.schedule()  # the failure, its release and b's admission: one pass
+    assert [item.request.request_id for item in out.scheduled] == ["b"]
+    assert first.num_computed_tokens == 2 * BLOCK and scheduler.num_waiting == 1
+    scheduler.update_from_output(out, [0])
+    scheduler.finish(first)
+    out = scheduler.schedule()
+    assert [item.request.request_id for item in out.scheduled] == ["c"]
+    scheduler.update_from_output(out, [0])
+    scheduler.finish(behind)
+    connector.take_transfers()
+    kv.check_invariants()
+    assert np.count_nonzero(kv.pool.ref_counts[1:]) == 0 and not scheduler.has_unfinished()
+
+
+def test_num_held_counts_only_the_requests_out_of_the_waiting_queue(full):
+    kv, connector = full
+    _run_turn(kv, connector, _request("a", range(100, 118)))
+    connector.take_transfers()
+    _evict_everything(kv)
+    follow = _request("b", list(range(100, 118)) + [7] * 6)
+    assert connector.hold(follow) and connector.num_held == 1 and connector.waiting_on_tiers
+    _complete(connector)
+    assert connector.poll() == [follow]
+    assert connector.num_held == 0 and not connector.waiting_on_tiers  # back in the queue: counted there only
+    connector.on_admitted(follow)
+
+
+def test_a_loaded_request_never_holds_pages_a_request_ahead_of_it_needs():
+    """A request that goes ahead of a loaded one (a higher priority, or a preempted request's earlier
+    arrival) and needs the pool finds the loaded pages free: the load released them when it finished."""
+    from agentjax.config import EngineConfig
+    from agentjax.scheduler.scheduler import Scheduler
+
+    kv = KVCacheManager.from_specs([FULL], 12, block_size=BLOCK, cache_on_allocate=False)  # 11 usable pages
+    connector = OffloadConnector(kv, host=HostPageIndex(1, 32))
+    _run_turn(kv, connector, _request("a", range(100, 120)))  # 5 pages, stored to the host tier
+    connector.take_transfers()
+    _evict_everything(kv)
+    scheduler = Scheduler(EngineConfig(block_size=BLOCK, max_num_batched_tokens=64), kv, offload=connector)
+    loaded = _request("x", list(range(100, 120)) + [1])
+    scheduler.add(loaded)
+    out = scheduler.schedule()
+    assert connector.num_held == 1 and kv.pool.num_free == 6
+    urgent = _request("z", range(500, 532))  # 8 pages: more than are free while the load runs
+    urgent.priority, urgent.arrival_index = -1, 1
+    scheduler.add(urgent)
+    assert scheduler.schedule().scheduled == []
+    [job] = out.kv_transfers.loads
+    connector.results.put(("load", job.job_id, {}))
+    out = scheduler.schedule()  # the load is done and holds nothing: z goes first
+    assert [item.request.request_id for item in out.scheduled] == ["z"]
+    assert connector.stats.get("pages_loaded", "host") == 5
+    scheduler.update_from_output(out, [0])
+    scheduler.finish(urgent)
+    out = scheduler.schedule()  # then x, on what z left of its loaded pages
+    assert [item.request.request_id for item in out.scheduled] == ["x"]
+    scheduler.update_from_output(out, [0])
+    scheduler.finish(loaded)
+    connector.take_transfers()
+    kv.check_invariants()
+    assert np.count_nonzero(kv.pool.ref_counts[1:]) == 0 and not scheduler.has_unfinished()

@@ -41,7 +41,7 @@ def step(scheduler: Scheduler, connector: OffloadConnector) -> list:
     plan = scheduler.schedule()
     loads = list(plan.kv_transfers.loads) if plan.kv_transfers is not None else []
     for job in loads:
-        connector.results.put(("load", job.job_id, set()))
+        connector.results.put(("load", job.job_id, {}))
     for request, _ in scheduler.update_from_output(plan, [7] * len(plan.scheduled)):
         if len(request.output_token_ids) >= request.sampling.max_tokens:
             request.state = RequestState.FINISHED

@@ -4,6 +4,7 @@ host pool, the disk and back byte for byte; a corrupt disk page is reported fail
 destination left alone."""
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -64,7 +65,7 @@ def test_every_kv_kind_round_trips_through_the_host_pool_and_the_disk(setup):
              for g in range(len(original)) for src, dst, tier in ((3, 7, "host"), (5, 8, "host"),
                                                                    (3, 9, "disk"), (5, 10, "disk"))]
     worker.run(runner, KVTransfers(loads=[LoadJob(2, "r", loads)]))
-    assert _finish(runner, connector, worker, 2) == set()
+    assert _finish(runner, connector, worker, 2) == {}
     for group, before in enumerate(original):
         after = np.asarray(runner.kv_pages[group])
         for src, dst in ((3, 7), (5, 8), (3, 9), (5, 10)):
@@ -88,6 +89,39 @@ def test_a_corrupt_disk_page_fails_its_load_and_leaves_the_destination_alone(set
     path.write_bytes(bytes(data))
     before = np.asarray(runner.kv_pages[0])
     worker.run(runner, KVTransfers(loads=[LoadJob(3, "r", [PageTransfer(0, key, 6, "disk")])]))
-    assert _finish(runner, connector, worker, 3) == {(0, key)}
+    assert set(_finish(runner, connector, worker, 3)) == {(0, key)}
     assert np.array_equal(np.asarray(runner.kv_pages[0]), before)
     assert connector.stats.get("load_failures", "disk", reason="checksum") == 1
+
+
+def test_a_load_stuck_past_its_deadline_is_given_up_and_what_it_fetches_later_is_never_written(tmp_path):
+    cfg, page_size = PRESETS["tiny-dense"], 16
+    kv = KVCacheManager.from_model_config(cfg, NUM_PAGES, page_size)
+    connector = OffloadConnector(kv, disk=DiskTier(tmp_path, "ns", 1 << 30))
+    worker = OffloadWorker(cfg, page_size, connector, load_timeout_s=0.3)
+    runner = SimpleNamespace(kv_pages=tuple(jax.numpy.asarray(np.random.default_rng(1).standard_normal(b.shape)
+                                                              .astype(b.dtype))
+                                            for b in cfg.new_kv_pages(NUM_PAGES, page_size)))
+    key = b"\x09" * 32
+    worker.run(runner, KVTransfers(stores=[StoreJob(1, 0, [key], [4], host_slots=[0], disk_rows=[0])]))
+    worker.flush(runner)
+    path = connector.disk._path((0, key))
+    page_file = path.read_bytes()
+    path.unlink()
+    os.mkfifo(path)  # a read of it blocks until a writer comes: a hung disk
+    before = np.asarray(runner.kv_pages[0])
+    started = time.monotonic()
+    worker.run(runner, KVTransfers(loads=[LoadJob(2, "r", [PageTransfer(0, key, 6, "disk")])]))
+    failed = _finish(runner, connector, worker, 2)
+    assert 0.3 <= time.monotonic() - started < 5
+    assert list(failed) == [(0, key)] and failed[(0, key)][0] == "timeout"
+    assert connector.health["disk"].degraded and connector.stats.get("load_failures", "disk", reason="timeout") == 1
+    with open(path, "wb") as fifo:  # the disk answers at last, with the right page
+        fifo.write(page_file)
+    deadline = time.monotonic() + 30
+    while len(worker.loads) and time.monotonic() < deadline:
+        worker.run(runner, None)
+        time.sleep(0.02)
+    assert len(worker.loads) == 0  # the late part reported, and was dropped
+    assert np.array_equal(np.asarray(runner.kv_pages[0]), before)  # page 6 may be another request's by now
+    worker.close()

@@ -95,3 +95,90 @@ def test_a_server_default_budget_applies_only_to_requests_without_one():
         client.post("/v1/chat/completions", json=chat("hello", max_tokens=50))
         client.post("/v1/chat/completions", json=chat("x" * 236))  # 3 tokens of context left
         assert [s.max_tokens for s in client.engine.samplings] == [7, 50, 3]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/chat/completions", chat("x" * 300), "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 300}, "prompt"),
+    ("/v1/responses", {"model": MODEL, "input": "x" * 300}, "input"),
+])
+def test_a_prompt_over_the_context_names_the_routes_own_prompt_field(path, body, field):
+    with client_for() as client:
+        response = client.post(path, json=body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == field and error["code"] == "context_length_exceeded"
+        assert "messages" not in error["message"] or field == "messages"
+
+
+class TinyPoolEngine(RecordingEngine):
+    """Refuses requests as the real engine does when its KV pool cannot hold them."""
+
+    def add_request(self, prompt, sampling, request_id=None, **kwargs):
+        from agentjax.errors import OutOfPagesError
+
+        if len(prompt) > 50:
+            raise OutOfPagesError("the prompt needs more KV pages than the pool's", cause="prompt")
+        if sampling.max_tokens > 20:
+            raise OutOfPagesError("the prompt plus max_tokens need more KV pages", cause="max_tokens")
+        return super().add_request(prompt, sampling, request_id, **kwargs)
+
+
+@pytest.mark.parametrize(("path", "prompt_body", "prompt_field"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 60}]}, "messages"),
+    ("/v1/completions", {"prompt": "x" * 60}, "prompt"),
+])
+def test_a_request_the_kv_pool_cannot_hold_names_its_cause(path, prompt_body, prompt_field):
+    engine = TinyPoolEngine()
+    with TestClient(create_app(engine, FakeTokenizer(), model_name=MODEL)) as client:
+        too_long = client.post(path, json={"model": MODEL, "max_tokens": 5, **prompt_body})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == prompt_field
+        short = {"messages": [{"role": "user", "content": "hi"}]} if prompt_field == "messages" else {"prompt": "hi"}
+        too_much_output = client.post(path, json={"model": MODEL, "max_tokens": 30, **short})
+        assert too_much_output.status_code == 400
+        assert too_much_output.json()["error"]["param"] == "max_tokens"
+        assert too_much_output.json()["error"]["code"] == "kv_pool_too_small"
+
+
+class GrammarEngine(FakeEngine):
+    """A fake engine with the real structured-output backend (SmolLM2's tokenizer), compiling a request's
+    constraint in `add_request` as `Engine` does."""
+
+    backend = None
+
+    @property
+    def grammar(self):
+        if GrammarEngine.backend is None:
+            from agentjax.models import _tokenizer_from_gguf
+            from agentjax.structured.backend import GrammarBackend
+            from checkpoints.embedded import smollm2_path
+
+            tokenizer = _tokenizer_from_gguf(smollm2_path())
+            GrammarEngine.backend = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.stop_token_ids)
+        return GrammarEngine.backend
+
+    def add_request(self, prompt, sampling, request_id=None, **kwargs):
+        if sampling.structured is not None:
+            self.grammar.new_matcher(sampling.structured)
+        return super().add_request(prompt, sampling, request_id, **kwargs)
+
+
+def tool(name: str, argument_type: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": "d" * 2000, "parameters": {
+        "type": "object", "properties": {"a": {"type": argument_type}}}}}
+
+
+def test_a_tool_schema_is_checked_under_auto_as_under_a_forced_choice_with_a_short_message():
+    tools = [tool(f"ok_{i}", "string") for i in range(20)] + [tool("broken", "nonsense")]
+    with TestClient(create_app(GrammarEngine(), FakeTokenizer(), model_name=MODEL)) as client:
+        answers = {str(choice): client.post("/v1/chat/completions", json=chat("hi", tools=tools, tool_choice=choice,
+                                                                             max_tokens=2))
+                   for choice in ("auto", "required", {"type": "function", "function": {"name": "broken"}})}
+        fine = client.post("/v1/chat/completions", json=chat("hi", tools=tools[:20], max_tokens=2))
+    errors = {choice: answer.json()["error"] for choice, answer in answers.items()}
+    assert all(answer.status_code == 400 for answer in answers.values()), errors
+    assert len({error["message"] for error in errors.values()}) == 1, errors  # the same check, the same words
+    error = errors["auto"]
+    assert error["param"] == "tools" and "Invalid type: nonsense" in error["message"]
+    assert len(error["message"]) < 400 and "%json" not in error["message"]  # not the tools' grammar (~45 KB)
+    assert fine.status_code == 200

@@ -15,6 +15,7 @@ from agentjax.server.tool_parsers import (
     ToolCall,
     ToolCallArguments,
     ToolCallStart,
+    call_schema,
 )
 from checkpoints.tool_prompt import fold_tools, render_tool_call
 
@@ -210,3 +211,31 @@ def test_a_parallel_constraint_admits_up_to_its_number_of_calls_and_can_end_afte
         tokens = tokenizer.encode(written(count), add_special_tokens=False)
         consumed = matcher.try_consume_tokens(tokens)
         assert (consumed == len(tokens) and matcher.is_accepting()) == (count <= 3), count
+
+
+def test_a_forced_calls_arguments_follow_json_schema_so_extra_keys_need_additional_properties_false():
+    """docs/serving.md: a named tool choice constrains the arguments to the function's schema as JSON
+    Schema reads it; a schema without `additionalProperties: false` lets the model add keys."""
+    import json
+
+    from agentjax.structured import StructuredOutput
+    from agentjax.structured.backend import GrammarBackend
+    from checkpoints.embedded import smollm2_path
+    from checkpoints.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(smollm2_path())
+    backend = GrammarBackend(tokenizer, 49152, [2])
+
+    def allowed(parameters: dict, arguments: dict) -> bool:
+        matcher = backend.new_matcher(StructuredOutput.json_schema(call_schema({"name": "read_file",
+                                                                                "parameters": parameters})))
+        text = json.dumps({"name": "read_file", "arguments": arguments}, separators=(", ", ": "))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.validate_tokens(ids) == len(ids)
+
+    open_schema = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    closed_schema = {**open_schema, "additionalProperties": False}
+    assert allowed(open_schema, {"path": "setup.py", "mode": "r"})
+    assert not allowed(closed_schema, {"path": "setup.py", "mode": "r"})
+    assert allowed(closed_schema, {"path": "setup.py"})
+    assert not allowed(closed_schema, {})  # `required` holds either way

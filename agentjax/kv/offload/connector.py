@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,15 +23,15 @@ from agentjax.kv.groups import CheckpointGroup
 from agentjax.kv.offload.disk import DiskTier, TierKey
 from agentjax.kv.offload.host import HostPageIndex
 from agentjax.kv.offload.prefetch import SessionPrefetcher
+from agentjax.kv.offload.remote_keys import RemoteKeys
 from agentjax.kv.offload.store_plan import StorePlanner
-from agentjax.kv.offload.tiers import TIER_NAMES, OffloadStats, TierHealth
+from agentjax.kv.offload.tiers import TIER_NAMES, OffloadStats, TierHealth, log_failed_load
 from agentjax.kv.offload.transfers import KVTransfers, LoadJob, PageTransfer, ResultQueue, StoreJob
 from agentjax.kv.offload.union import IN_TIER, TIER_OF, forget_runs, union_groups
 
 __all__ = ["OffloadConnector", "KVTransfers", "LoadJob", "PageTransfer", "ResultQueue", "StoreJob"]
 
 PROBE_WAIT_S = 0.2  # how long a new request waits for the Mooncake pool to say which of its pages it holds
-MAX_KNOWN_KEYS = 1 << 20
 
 
 @dataclass
@@ -45,6 +44,7 @@ class _Held:
     job_id: int = -1
     held_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     abandoned: bool = False
+    parked: bool = False  # out of the scheduler's waiting queue until `poll` hands it back
 
 
 class OffloadConnector:
@@ -63,7 +63,7 @@ class OffloadConnector:
         self.min_load_tokens = min_load_tokens or kv.block_size
         self.probe_wait_s = probe_wait_s
         self._union = union_groups(kv, self._tier_of, host)
-        self._known_remote: OrderedDict[TierKey, None] = OrderedDict()  # keys the Mooncake pool holds
+        self._known_remote = RemoteKeys()  # keys the Mooncake pool holds
         self.stores = StorePlanner(kv, host, disk, mooncake, self.health, self._known_remote, entry_score, retention)
         self._held: dict[str, _Held] = {}
         self._jobs: dict[int, str] = {}  # load job id -> request id
@@ -112,7 +112,13 @@ class OffloadConnector:
     # -- the request lifecycle, as the scheduler calls it ----------------------------------------
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        """Requests parked here, out of the scheduler's waiting queue (probing a remote tier, or loading)."""
+        return sum(held.parked for held in self._held.values())
+
+    @property
+    def waiting_on_tiers(self) -> bool:
+        """Whether a parked request or a prefetch waits for a tier (an idle engine waits, not spins)."""
+        return self.num_held > 0 or (self.prefetcher is not None and self.prefetcher.num_loading > 0)
 
     def on_request_added(self, request) -> None:
         """Ask the Mooncake pool which of the request's pages it holds (pages other replicas or an
@@ -140,9 +146,11 @@ class OffloadConnector:
         held = self._held.get(request.request_id)
         if held is not None and held.state == "probing":
             if time.monotonic() < held.deadline:
+                held.parked = True
                 return True
             held.state = "probed"  # the pool is slow to answer: go on with what is known
         if held is not None and held.state in ("loading",):
+            held.parked = True
             return True
         if held is not None and held.state == "ready":
             return False
@@ -177,7 +185,7 @@ class OffloadConnector:
             return False
         self._deferred.pop(request.request_id, None)
         job_id, held_pages = self.start_load(request.request_id, transfers, device)
-        self._held[request.request_id] = _Held(request, "loading", job_id=job_id, held_pages=held_pages)
+        self._held[request.request_id] = _Held(request, "loading", job_id=job_id, held_pages=held_pages, parked=True)
         self.stats.add("load_requests", "all")
         return True
 
@@ -247,11 +255,11 @@ class OffloadConnector:
         return False
 
     def on_admitted(self, request) -> None:
-        """The admission took references on the loaded pages: release the connector's."""
+        """The request left the waiting queue for the running batch: forget its load and probe."""
         self._attempted.pop(request.request_id, None)
         self._deferred.pop(request.request_id, None)
         held = self._held.pop(request.request_id, None)
-        if held is not None and len(held.held_pages):
+        if held is not None and len(held.held_pages):  # a probed request holds none; a loaded one no more
             self.kv.pool.release(held.held_pages)
 
     def drop(self, request) -> None:
@@ -278,17 +286,17 @@ class OffloadConnector:
                 _, tier, keys = item
                 if tier == "mooncake":
                     for key in keys:
-                        self._remember_remote(key)
+                        self._known_remote.remember(key)
             elif kind == "remote_down":
                 self.forget_remote()
             elif kind == "probe":
                 _, request_id, present = item
                 for key in present:
-                    self._remember_remote(key)
+                    self._known_remote.remember(key)
                 held = self._held.get(request_id)
                 if held is not None and held.state == "probing":
                     held.state = "probed"
-                    self._ready.append(held.request)
+                    self._hand_back(held)
         if self.prefetcher is not None:
             self.prefetcher.tick()
         if self.mooncake is not None:  # probes only exist with a Mooncake tier
@@ -296,24 +304,30 @@ class OffloadConnector:
             for held in self._held.values():
                 if held.state == "probing" and now >= held.deadline:
                     held.state = "probed"
-                    self._ready.append(held.request)
+                    self._hand_back(held)
         if not self._ready:
             return []
         ready, self._ready = self._ready, []
         return ready
 
-    def _remember_remote(self, key: TierKey) -> None:
-        self._known_remote[key] = None
-        self._known_remote.move_to_end(key)
-        if len(self._known_remote) > MAX_KNOWN_KEYS:
-            self._known_remote.popitem(last=False)
+    def _hand_back(self, held: _Held) -> None:
+        if held.parked:  # else it never left the waiting queue
+            held.parked = False
+            self._ready.append(held.request)
 
     def forget_remote(self) -> None:
         """The Mooncake pool went away (its master died): nothing it held is known any more."""
         self._known_remote.clear()
 
-    def _finish_load(self, job_id: int, failed: set) -> None:
+    def _finish_load(self, job_id: int, failed: dict) -> None:
+        """A load job completed; `failed` maps the keys of the pages it could not load to (reason, detail).
+        Loaded pages become cached pages and every page the load held is released at once: the admission
+        still hits the loaded prefix (released pages are evicted last), a failed page's recompute has its
+        room, and a request ahead of this one (a higher priority, a preempted one) never waits on pages
+        this one holds. Mooncake forgets the failed keys (the disk tier deleted its bad files itself), and
+        one warning says what failed. The request goes back to the waiting queue either way."""
         owner = self._jobs.pop(job_id, None)
+        transfers = self._job_transfers.pop(job_id, [])
         held = self._held.get(owner)
         prefetched = held is None and self.prefetcher is not None and self.prefetcher.owns(owner)
         if not prefetched and (held is None or held.job_id != job_id):
@@ -321,24 +335,30 @@ class OffloadConnector:
         pool = self.kv.pool
         loaded: dict[str, int] = {}
         pages: list[int] = []
-        for transfer in self._job_transfers.pop(job_id, []):
-            if failed and (transfer.group, transfer.key) in failed:
+        for transfer in transfers:
+            key = (transfer.group, transfer.key)
+            if key in failed:
+                if transfer.tier == "mooncake":
+                    self._known_remote.forget(key)
                 continue
             if pool.cache_page(transfer.page, transfer.group, transfer.key, transfer.parent):
                 loaded[transfer.tier] = loaded.get(transfer.tier, 0) + 1
                 pages.append(transfer.page)
         for tier, count in loaded.items():
             self.stats.add("pages_loaded", tier, count)
+        if failed:
+            self.stats.add("failed_loads", "all")
+            log_failed_load(owner, transfers, failed)
         if prefetched:
             self.prefetcher.on_loaded(owner, pages)
             return
-        request_id = owner
+        pool.release(held.held_pages)
+        held.held_pages = held.held_pages[:0]
         if held.abandoned:
-            del self._held[request_id]
-            pool.release(held.held_pages)
+            del self._held[owner]
             return
         held.state = "ready"
-        self._ready.append(held.request)
+        self._hand_back(held)
 
     # -- stores ----------------------------------------------------------------------------------
     def on_turn_end(self, request) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from agentjax.errors import CorruptCheckpointError, OffloadTierError
 from agentjax.kv.offload.policies import GreedyDualOrder
+from agentjax.progress import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class DiskTier:
     def _rebuild_index(self) -> None:
         """Index the page files already on disk, oldest modification first; drop temporary files."""
         found = []
+        throttle = Throttle()
         for group_dir in self.directory.glob("g*"):
             if not group_dir.is_dir() or not group_dir.name[1:].isdigit():
                 continue
@@ -84,6 +86,9 @@ class DiskTier:
                 except (ValueError, OSError):
                     continue
                 found.append((stat.st_mtime_ns, (group, block_hash), stat.st_size))
+                if throttle.due():
+                    logger.info("disk KV tier: recovering the page files under %s: %d found so far (%.0f s)",
+                                self.directory, len(found), throttle.elapsed)
         found.sort()
         for _, key, size in found:
             self._index[key] = size
@@ -92,8 +97,8 @@ class DiskTier:
                 self._order.add(key, 0.0)
         self._evict_to(self.capacity_bytes)
         if found:
-            logger.info("disk KV tier: %d page files (%.1f MB) indexed under %s", len(self._index),
-                        self.used_bytes / 2**20, self.directory)
+            logger.info("disk KV tier: recovered %d page files (%.1f MB) under %s in %.1f s", len(self._index),
+                        self.used_bytes / 2**20, self.directory, throttle.elapsed)
 
     def contains(self, key: TierKey) -> bool:
         return key in self._index

@@ -3,7 +3,8 @@
 `OffloadStats` counts pages stored and loaded per tier and failures per tier and reason (the
 `agentjax:kv_offload_*` metrics); `TierHealth` takes a failing tier out of use for a back-off period
 and logs why, so a full disk or a dead Mooncake master degrades to the other tiers instead of
-failing requests. Thread-safe (the offload worker's threads report here). Host only: never imports jax.
+failing requests; `log_failed_load` is the one warning a failed load gets. Thread-safe (the offload
+worker's threads report here). Host only: never imports jax.
 """
 from __future__ import annotations
 
@@ -87,3 +88,16 @@ class TierHealth:
         if self.reason and self.storable():
             logger.warning("KV offload tier %s is back in use", self.tier)
             self.reason = ""
+
+
+def log_failed_load(owner, transfers: list, failed: dict) -> None:
+    """One warning for a load job some of whose pages failed (`failed`: key -> (reason, detail)): which
+    request (or prefetch), how many pages of which tier, why, and the first few details."""
+    reasons = Counter(reason for reason, _ in failed.values())
+    tiers = sorted({t.tier for t in transfers if (t.group, t.key) in failed})
+    details = list(dict.fromkeys(detail for _, detail in failed.values() if detail))
+    shown = "; ".join(details[:3]) + (f"; and {len(details) - 3} more" if len(details) > 3 else "")
+    who = f"request {owner}" if isinstance(owner, str) else f"the prefetch of session {owner[-1]}"
+    logger.warning("KV load for %s: %d of %d pages from the %s tier failed (%s): %s; its pages are released "
+                   "and those tokens are recomputed", who, len(failed), len(transfers), "/".join(tiers) or "?",
+                   ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())), shown)

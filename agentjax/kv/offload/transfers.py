@@ -65,8 +65,8 @@ class KVTransfers:
 
 
 class ResultQueue:
-    """The worker's completion events: ("load", job id, failed keys), ("stored", tier, keys),
-    ("probe", request id, present keys)."""
+    """The worker's completion events: ("load", job id, {failed key: (reason, detail)}), ("stored", tier,
+    keys), ("probe", request id, present keys), ("remote_down", tier)."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue = queue.Queue()
