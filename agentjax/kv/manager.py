@@ -7,9 +7,11 @@ Host only: never imports jax, never touches device memory. The engine drives it:
     if m.can_allocate(prompt): m.allocate(req_id, prompt)   # reserve the whole prompt
     m.num_cached_tokens(req_id)                # tokens the allocation reused (compute from there)
     m.block_ids(req_id)                        # one page list per group (page 0 = null/padding)
+    m.reserve_state_saves(req_id, start, end)  # pages for the states inside the next prefill chunk
     m.take_pending_copies()                    # (group, src, dst) state-page copies to run first
     m.cache_blocks(req_id, num_computed)       # after the device wrote KV: full pages become hittable
     m.append(req_id, new_token_ids) -> bool    # decode growth; False (no change) when out of pages
+    m.end_turn(req_id, num_computed)           # keep the state the turn ended with hittable
     m.free(req_id)                             # finish or abort; cached pages stay hittable
     m.free(req_id, pin_session=sid, ttl_s=5.0) # end of a turn: keep the session's prefix for the next
     m.pin_prefix(key, fork_prompt); m.unpin(key)   # a subagent fork point, held until released
@@ -40,7 +42,6 @@ free pages are evicted after every unpinned free page, earliest expiry first; th
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -49,19 +50,17 @@ import numpy as np
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.block_pool import BlockPool
 from agentjax.kv.eviction import EvictionOrder, PinnedEvictionOrder
-from agentjax.kv.groups import CheckpointGroup, GroupManager, GroupTable, make_group_manager
+from agentjax.kv.groups import CheckpointGroup, GroupManager, make_group_manager
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32
+from agentjax.kv.manager_states import RecurrentStateMixin
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
 from agentjax.kv.slab_pool import SlabPool
-from agentjax.kv.state_saves import cache_saves, pool_has_room, reserve_saves
-from agentjax.kv.turn_ends import (TurnEnds, branch_point, save_branch_state, save_turn_end, tail_hit,
-                                   takes_turn_ends)
 from agentjax.kv.specs import FullAttentionSpec, KVGroupPlan, KVSpec, plan_groups, specs_from_model_config
+from agentjax.kv.state_saves import cache_saves
+from agentjax.kv.turn_ends import TurnEnds, branch_point, save_branch_state, takes_turn_ends
 
-logger = logging.getLogger(__name__)
 
-
-class KVCacheManager:
+class KVCacheManager(RecurrentStateMixin):
     """Pages for many requests across KV groups; see the module docstring for the call sequence."""
 
     def __init__(self, plan: KVGroupPlan, num_blocks: int, enable_caching: bool = True,
@@ -183,18 +182,6 @@ class KVCacheManager:
         prepared = (tokens, hashes, *self._hit(tokens, hashes, cache_salt))
         self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
         return prepared
-
-    def _hit(self, tokens: np.ndarray, hashes: list[BlockHash], cache_salt: str | None) -> tuple[int, list]:
-        """The hit and its pages per group, through a turn end where that hits more (the returned list
-        then carries `tails`: the partial pages to copy, see agentjax/kv/turn_ends.py)."""
-        hit, reuse = self._find_hit_or_none(hashes, len(tokens))
-        if self.turn_ends is not None:
-            longer, tail_reuse, tails = tail_hit(self, tokens, hashes, self._root(cache_salt), hit, reuse)
-            if longer > hit:
-                reuse = HitPages(tail_reuse)
-                reuse.tails = tails
-                return longer, reuse
-        return hit, reuse
 
     def _find_hit_or_none(self, hashes: list[BlockHash], num_tokens: int) -> tuple[int, list]:
         """`_find_hit`, or no hit at all when prefix caching is off."""
@@ -350,43 +337,6 @@ class KVCacheManager:
         self._grow_tables(request, growth)
         return True
 
-    def reserve_state_saves(self, req_id: str, start: int, end: int) -> int:
-        """Pages for the recurrent states at the checkpoints strictly inside the chunk of tokens
-        [start, end) the device runs next (`agentjax/kv/state_saves.py`); `cache_blocks` caches them
-        once it ran. Best effort: a checkpoint no page is free for is skipped. Returns pages taken."""
-        request = self._request(req_id)
-        if not self.enable_caching or end - start < 2:
-            return 0
-        self._extend_hashes(request, end)
-        taken = 0
-        for group, table in zip(self.groups, request.tables):
-            if isinstance(group, CheckpointGroup):
-                taken += reserve_saves(group, table, group.page_keys(request.hashes), start, end, self.pool)
-        if taken:
-            request.undo = None  # pages taken outside the admission: no exact undo any more
-        return taken
-
-    def _count_group_hits(self, hashes: list[BlockHash], num_tokens: int, hit: int) -> list[int]:
-        """Add to `group_hits` what each group alone could serve of a prompt (at least the hit)."""
-        if not self.enable_caching or not hashes:
-            return [0] * len(self.groups)
-        alone = [max(hit, g.find_hit(g.page_keys(hashes), num_tokens - 1, num_tokens - 1)) for g in self.groups]
-        self.group_hits = [total + mine for total, mine in zip(self.group_hits, alone)]
-        return alone
-
-    def branch_point(self, req_id: str) -> int:
-        """Tokens at which the request saves a branch state as its prefill passes (0: none); the
-        scheduler ends a chunk there."""
-        return self._request(req_id).branch_point
-
-    def end_turn(self, req_id: str, num_computed_tokens: int) -> bool:
-        """The request's turn is over after `num_computed_tokens` tokens went through the model: keep its
-        state there hittable for the next turn (agentjax/kv/turn_ends.py). Call before `free`."""
-        request = self._request(req_id)
-        if request.undo is not None or not self.enable_caching:
-            return False
-        return save_turn_end(self, request, num_computed_tokens)
-
     def _can_grow(self, growth: list[int]) -> bool:
         if self.pool.num_groups_share_ids:
             return sum(growth) <= self.pool.num_free
@@ -455,22 +405,6 @@ class KVCacheManager:
         if released:
             request.undo = None  # released pages may be taken by others at once: no exact undo any more
             self.pool.release(np.asarray(released, dtype=np.int64))
-
-    def _save_checkpoint(self, group: CheckpointGroup, table: GroupTable, keys: list[BlockHash],
-                         num_computed: int) -> bool:
-        key = group.checkpoint_key(keys, num_computed)
-        if key is None or num_computed <= table.last_checkpoint:
-            return False
-        table.last_checkpoint = num_computed
-        if not pool_has_room(self.pool, group.group_id):
-            logger.debug("no free page for a checkpoint at %d tokens; skipped", num_computed)
-            return False
-        page = int(self.pool.allocate(1, group=group.group_id)[0])
-        self._pending_copies.append((group.group_id, table.pages[0], page))
-        index = num_computed // group.tokens_per_page - 1
-        self.pool.cache_page(page, group.group_id, key, keys[index - 1] if index else None)
-        self.pool.release(np.asarray([page]))
-        return True
 
     def _extend_hashes(self, request: RequestKV, num_tokens: int) -> None:
         have, want = len(request.hashes), num_tokens // self.block_size
@@ -732,13 +666,6 @@ def _flat_pages(reuse: list) -> np.ndarray:
     if len(reuse) == 1 and not tails:
         return np.asarray(reuse[0][0], dtype=np.int64)
     return np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in reuse] + [np.asarray(tails, np.int64)])
-
-
-class HitPages(list):
-    """Per group (cached pages, table start) of a hit, and `tails`: (group, partial page) copies a
-    turn-end hit makes into the group's first new page."""
-
-    tails: list[tuple[int, int]] = []
 
 
 def _remove_last(items: list, value) -> None:
