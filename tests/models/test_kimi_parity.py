@@ -141,8 +141,7 @@ def test_eight_interleaved_sessions_equal_the_plain_run(invariant_llm, plain_run
 
 @pytest.mark.slow
 def test_preemption_in_a_small_pool_keeps_tokens_exact(invariant_llm, plain_run):
-    # about two sessions' pages at a time, and a state saved at 64 tokens of each first turn
-    engine = _engine(invariant_llm, num_kv_blocks=16, state_checkpoint_tokens=64)
+    engine = _engine(invariant_llm, num_kv_blocks=16)  # about two sessions' pages at a time
     turns = _run_sessions(engine, list(range(NUM_SESSIONS)))
     assert engine.scheduler.num_preemptions > 0 and any(record.preempted for record in engine.step_log)
     assert _replies(turns) == plain_run
