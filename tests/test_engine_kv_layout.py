@@ -74,12 +74,14 @@ def test_a_prompt_storing_0_85_of_the_memory_is_admitted_and_runs_where_shared_i
 @pytest.mark.parametrize("preset, hit", [("preset:tiny-kimi-k3", 64), ("preset:tiny-sliding", 96)])
 def test_default_pages_stay_small_and_a_100_token_shared_prefix_hits(preset, hit):
     """With the default settings every page group of Kimi-style and Gemma-style models keeps pages of at
-    most 64 tokens, so two prompts sharing only their first 100 tokens share the cache: the KDA state
-    saved at token 64, or six 16-token pages of full and sliding attention."""
+    most 64 tokens, so prompts that share only a 100-token prefix (a system prompt sent first) share the
+    cache: the KDA state saved at token 64 with its latent pages, or six 16-token pages of full and
+    sliding attention. (A state is saved where a prefill chunk ends on a 64-token boundary; a first
+    prompt that runs past the prefix in one chunk leaves no state at 64.)"""
     llm = LLM(preset, numerics="batch_invariant")
     layout = llm.engine.kv.layout
     assert layout.mode == "pool" and max(layout.tokens_per_page()) <= 64
     shared = [(13 * j) % 400 + 5 for j in range(100)]
-    first = llm.generate([shared + [7, 8, 9] * 10], GREEDY)[0]
-    second = llm.generate([shared + [11, 12] * 20], GREEDY)[0]
-    assert first.num_cached_tokens == 0 and second.num_cached_tokens == hit
+    outputs = [llm.generate([prompt], GREEDY)[0] for prompt in (shared, shared + [7, 8, 9] * 10,
+                                                                 shared + [11, 12] * 20)]
+    assert [out.num_cached_tokens for out in outputs] == [0, hit, hit]
