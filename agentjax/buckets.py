@@ -13,6 +13,8 @@ from collections.abc import Sequence
 TOKEN_BUCKETS = (8, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (8, 16, 32, 64, 128, 256)
 PAGE_BUCKETS = (8, 32, 128, 512, 2048, 8192, 32768, 131072)
+# Recurrent-state checkpoints saved inside a step's prefill chunks (most steps: none, one bucket).
+STATE_SAVE_BUCKETS = (8, 64, 512)
 
 
 def bucket(value: int, buckets: Sequence[int]) -> int:

@@ -255,6 +255,11 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
+    # How KV memory is laid out (agentjax/kv/layout.py, docs/design/kv_memory.md): "pool" (one pool of
+    # slabs, each page group's pages sized to what it stores), "shared" (one page id spans a page of every
+    # KV kind) or "auto": "pool" wherever this engine's paths run on it. With "pool", num_kv_blocks counts
+    # the bytes of that many "shared" pages.
+    kv_layout: Literal["auto", "pool", "shared"] = "auto"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's context
@@ -277,6 +282,10 @@ class EngineConfig:
     mooncake_master: str | None = None  # HOST:PORT of a Mooncake Store master
     mooncake_segment_gb: float = 1.0  # memory this engine lends to the Mooncake pool
     kv_offload_retention: str = "interval"  # which blocks a turn stores: interval or marconi
+    # Tokens between saved recurrent states (Kimi's KDA), a multiple of block_size; a prefix hit resumes
+    # from the last one at or before the shared prefix. None: the model's cost-aware choice
+    # (agentjax.kv.cache_layout.checkpoint_tokens).
+    state_checkpoint_tokens: int | None = None
     # How long a load may wait on the disk or Mooncake tier without an answer (a page read, written or
     # failed) before it is given up: those tokens are recomputed and the tier is out of use for 30 s (a
     # dead peer costs a request at most this; a slow tier that keeps answering finishes its loads).
@@ -333,6 +342,12 @@ class EngineConfig:
         if self.kv_offload_retention not in ("interval", "marconi"):
             raise InvalidRequestError(
                 f"kv_offload_retention must be 'interval' or 'marconi', got {self.kv_offload_retention!r}")
+        if self.state_checkpoint_tokens is not None and (
+                self.state_checkpoint_tokens < 1 or self.state_checkpoint_tokens % self.block_size):
+            raise InvalidRequestError(f"state_checkpoint_tokens must be a positive multiple of block_size="
+                                      f"{self.block_size}, got {self.state_checkpoint_tokens}")
+        if self.kv_layout not in ("auto", "pool", "shared"):
+            raise InvalidRequestError(f"kv_layout must be 'auto', 'pool' or 'shared', got {self.kv_layout!r}")
         if self.kv_policy not in ("lru", "hints", "marconi"):
             raise InvalidRequestError(f"kv_policy must be 'lru', 'hints' or 'marconi', got {self.kv_policy!r}")
         _ = self.parallel  # raises ParallelLayoutError on sizes < 1 or a DCP that does not divide TP

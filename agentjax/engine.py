@@ -24,7 +24,9 @@ from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
 from agentjax.request_fit import check_pool_fits
 from agentjax.engine_extras import ExtrasTracker
+from agentjax.engine_kv import engine_kv_layout
 from agentjax.kv import KVCacheManager
+from agentjax.kv.usage import group_memory
 from agentjax.kv.policy_order import engine_eviction_order
 from agentjax.runner.sharded_runner import check_engine_layout, make_model_runner
 from agentjax.sampling_params import SamplingParams
@@ -86,15 +88,18 @@ class Engine:
         if runner is None and not engine_cfg.parallel.is_single_device:
             check_engine_layout(model_cfg, engine_cfg)  # a layout that does not fit fails before anything is built
         if kv is None:
-            num_pages = engine_cfg.num_kv_blocks or self._pages_for_memory(engine_cfg)
-            # with DCP a page id holds block_size tokens on each DCP rank (sharding/mesh.py)
-            kv = KVCacheManager.from_model_config(
-                model_cfg, num_pages, engine_cfg.parallel.kv_page_tokens(engine_cfg.block_size),
-                enable_caching=engine_cfg.enable_prefix_caching, draft_config=self.draft_cfg,
-                eviction_order=engine_eviction_order(engine_cfg.kv_policy),  # the KV policy orders evictions
-            )
+            # one layout sizes the manager's pool and the runner's memory (with DCP a page id holds
+            # block_size tokens on each DCP rank, sharding/mesh.py)
+            layout = engine_kv_layout(model_cfg, engine_cfg, self.draft_cfg)
+            # branch states (the Marconi rule on the device) come with the hint and Marconi policies
+            branch_states = engine_cfg.kv_policy != "lru" or engine_cfg.kv_offload_retention == "marconi"
+            kv = KVCacheManager.from_layout(layout, enable_caching=engine_cfg.enable_prefix_caching,
+                                            eviction_order=engine_eviction_order(engine_cfg.kv_policy),
+                                            branch_states=branch_states)
         self.kv = kv
-        self.runner = runner or make_model_runner(model_cfg, params, kv.pool.num_pages, engine_cfg, drafting=drafting)
+        self.kv_layout = kv.layout
+        self.runner = runner or make_model_runner(model_cfg, params, kv.pool.num_pages, engine_cfg, drafting=drafting,
+                                                  kv_layout=self.kv_layout)
         self.offload, self.offload_worker = offload if offload is not None else (None, None)
         if offload is None and engine_cfg.kv_offload_enabled:  # host, disk and Mooncake tiers (agentjax.kv.offload)
             from agentjax.runner.offload_worker import build_offload
@@ -112,10 +117,6 @@ class Engine:
         self._grammar: GrammarBackend | None = None
         self._extras = ExtrasTracker()
         self._held_forks: dict[str, list[Request]] = {}  # first sample's id -> samples waiting for its prompt
-
-    def _pages_for_memory(self, cfg: EngineConfig) -> int:
-        page_bytes = sum(model.kv_bytes_per_page(cfg.block_size) for model in (self.model_cfg, self.draft_cfg) if model)
-        return max(16, int(cfg.kv_cache_memory_gb * 2**30) // page_bytes)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -292,8 +293,7 @@ class Engine:
         by_row = [tokens[start:stop] for start, stop in zip(starts, starts[1:])]
         produced = self.scheduler.update_from_output(plan, by_row)
         if "next_tokens" in speculative:
-            self.speculator.offer_from_step(plan.scheduled, self.runner.last_drafts, self.runner.page_size,
-                                            self.kv.plan.groups)
+            self.speculator.offer_from_step(plan.scheduled, self.runner.last_drafts, self.kv.plan.groups)
         return [self._on_tokens(request, new, now, first_sample[id(request)], results) for request, new in produced]
 
     def _on_tokens(self, request: Request, tokens: list[int], now: float, first_sample: int = 0,
@@ -383,7 +383,7 @@ class Engine:
 
     def stats(self) -> dict:
         kv = self.kv.stats()
-        total = self.kv.pool.num_pages - 1
+        total = self.kv.capacity_units
         free = self.kv.num_free_blocks
         return {
             "num_running": len(self.scheduler.running),
@@ -398,6 +398,7 @@ class Engine:
             "kv_usage": kv.get("used_blocks", total - free) / total,
             "prefix_query_tokens": kv.get("queries", 0),
             "prefix_hit_tokens": kv.get("hits", 0),
+            "prefix_turn_end_hit_tokens": kv.get("turn_end_hits", 0),
             "prompt_tokens_total": self.metrics.prompt_tokens_total,
             "prompt_tokens_computed_total": self.metrics.prompt_tokens_computed,
             "generation_tokens_total": self.metrics.generation_tokens_total,
@@ -405,6 +406,8 @@ class Engine:
             "requests_aborted": self.metrics.requests_aborted,
             "num_steps": self.num_steps,
             "compiled_shapes": len(self.runner.compiled_shapes),
+            "kv_layout": self.kv_layout.mode if self.kv_layout is not None else "shared",
+            "kv_groups": group_memory(self.kv),
             **({"spec_decode": self.speculator.stats.snapshot()} if self.speculator is not None else {}),
             **({"kv_offload": self.offload.snapshot()} if self.offload is not None else {}),
         }

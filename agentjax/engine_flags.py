@@ -48,11 +48,16 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     cache = _group(parser, "Cache", "the device's KV pool and which pages it keeps")
     add = cache.add_argument
-    add("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV page")
+    add("--block-size", type=int, default=_DEFAULTS.block_size,
+        help="tokens per KV hash block and attention page; a page group whose kind needs more (whole "
+             "compressed entries, a kernel's page) takes a multiple of it")
     add("--num-kv-blocks", type=int, default=None,
-        help="KV pages in the pool (default: as many as --kv-cache-memory-gb holds)")
+        help="size the KV pool as this many pages of the shared layout (default: from --kv-cache-memory-gb)")
     add("--kv-cache-memory-gb", type=float, default=_DEFAULTS.kv_cache_memory_gb,
         help=f"device memory for the KV pool in {GIB}, when --num-kv-blocks is not given")
+    add("--kv-layout", choices=("auto", "pool", "shared"), default=_DEFAULTS.kv_layout,
+        help="pool: one pool of bytes whose slabs each page group carves into pages sized to what it stores; "
+             "shared: one page id spans a page of every KV kind; auto: the pool wherever the engine runs it")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.enable_prefix_caching,
         help="reuse the cached pages of earlier prompts with the same prefix (default: on)")
@@ -60,6 +65,11 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
         help="which cached pages leave the device first: hints (session pins from the agent hints, then the "
              "pages whose next turn is expected farthest away), lru, or marconi (reused and branch-point "
              "content kept longer)")
+    add("--state-checkpoint-tokens", type=int, default=_DEFAULTS.state_checkpoint_tokens, metavar="TOKENS",
+        help="tokens between saved recurrent states (Kimi's KDA), a multiple of --block-size; a prefix hit "
+             "resumes from the last state at or before the shared prefix, the state a turn ended with, or a "
+             "branch state (default: the model's cost-aware interval, where the prefix KV of an interval "
+             "outweighs a state: 16,816 tokens for Kimi-K3)")
 
 
 def add_offload_flags(parser: argparse.ArgumentParser) -> None:

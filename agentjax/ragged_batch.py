@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from agentjax.buckets import PAGE_BUCKETS, SEQ_BUCKETS, TOKEN_BUCKETS, bucket  # noqa: F401 (re-exported)
+from agentjax.buckets import PAGE_BUCKETS, SEQ_BUCKETS, STATE_SAVE_BUCKETS, TOKEN_BUCKETS, bucket  # noqa: F401
 from agentjax.errors import InvalidRequestError
 
 
@@ -26,7 +26,7 @@ class RaggedBatch:
     token_ids: np.ndarray  # [T] input token of each position
     positions: np.ndarray  # [T] position of each token in its sequence
     seq_ids: np.ndarray  # [T] row of each token (padding tokens: row B-1 or any, writes go to page 0)
-    slot_mapping: tuple[np.ndarray, ...]  # per KV group, [T]: page * page_size + offset of its entry
+    slot_mapping: tuple[np.ndarray, ...]  # per KV group, [T]: page * (its page size) + offset of its entry
     cu_q_lens: np.ndarray  # [B+1] start offset of each row's tokens
     kv_lens: np.ndarray  # [B] KV length of each row after this step
     page_indices: tuple[np.ndarray, ...]  # per KV group, [B, P_g]: page table of each row, 0-padded
@@ -36,6 +36,11 @@ class RaggedBatch:
     # [S] index of each sampled token among its row's samples (0 = the row's first; a decode row's real
     # token), -1 for padding samples
     sample_offsets: np.ndarray
+    # [V] recurrent-state checkpoints inside prefill chunks: save v keeps the state after flat token
+    # `state_save_tokens[v]` in column `state_save_cols[v]` of its row's state tables (column 0, the
+    # running page, means no save; padding saves point past the tokens)
+    state_save_tokens: np.ndarray | None = None
+    state_save_cols: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,23 +66,27 @@ class RaggedBatch:
     @staticmethod
     def build(
         rows: Sequence[tuple[Sequence[int], int, Sequence]],
-        page_size: int,
+        page_size: int | Sequence[int],
         *,
         state_groups: Sequence[int] = (),
         token_buckets: Sequence[int] = TOKEN_BUCKETS,
         seq_buckets: Sequence[int] = SEQ_BUCKETS,
         page_buckets: Sequence[int] = PAGE_BUCKETS,
         sample_counts: Sequence[int] | None = None,
+        state_interval: int = 0,
     ) -> "RaggedBatch":
         """A padded batch from rows of `(new_token_ids, num_computed_tokens, page_tables)`.
 
         `sample_counts` (speculative decoding) gives per row how many of its last tokens get logits (a
         decode row's real token and its draft tokens); by default one, the last.
 
-        `num_computed_tokens` is how many of the row's tokens already sit in its pages; the new
-        tokens take the positions after them. `page_tables` holds one page list per KV group (a
+        `page_size` is the tokens per page of every group, or one value per group (a "pool" KV layout
+        gives each page group its own). `num_computed_tokens` is how many of the row's tokens already
+        sit in its pages; the new tokens take the positions after them. `page_tables` holds one page list per KV group (a
         plain list of ints is one group); each must cover every new token, except the groups in
-        `state_groups`, whose table is the one page holding the row's recurrent state.
+        `state_groups`, whose table is the one page holding the row's recurrent state, then (a prefill
+        chunk) one page per multiple of `state_interval` strictly inside the chunk, in order: the state
+        after that many tokens is saved there (the null page: not saved).
         """
         if not rows:
             raise InvalidRequestError("a batch needs at least one row")
@@ -90,12 +99,15 @@ class RaggedBatch:
             raise InvalidRequestError("every batch row needs a page table for each KV group")
         padded_tokens = bucket(num_tokens, token_buckets)
         padded_seqs = bucket(len(rows), seq_buckets)
+        sizes = [page_size] * num_groups if isinstance(page_size, (int, np.integer)) else list(page_size)
+        if len(sizes) != num_groups:
+            raise InvalidRequestError(f"{len(sizes)} page sizes for {num_groups} KV groups")
 
         token_ids = np.zeros(padded_tokens, np.int32)
         positions = np.zeros(padded_tokens, np.int32)
         seq_ids = np.full(padded_tokens, padded_seqs - 1, np.int32)
         # Padding tokens write into the null page; their slot index stays inside it.
-        slot_mapping = [np.arange(padded_tokens, dtype=np.int32) % page_size for _ in range(num_groups)]
+        slot_mapping = [np.arange(padded_tokens, dtype=np.int32) % sizes[g] for g in range(num_groups)]
         cu_q_lens = np.full(padded_seqs + 1, num_tokens, np.int32)
         kv_lens = np.zeros(padded_seqs, np.int32)
         page_indices = [
@@ -114,23 +126,26 @@ class RaggedBatch:
         sample_offsets = np.full(len(logits_indices), -1, np.int32)
         sampled = 0
         token_groups = [g for g in range(num_groups) if g not in state_groups]
+        saves: list[tuple[int, int]] = []  # (flat token index, state table column)
 
         start = 0
         for row, ((new_tokens, num_computed, _), tables) in enumerate(zip(rows, tables_per_row)):
             count = len(new_tokens)
             end_pos = num_computed + count
             pos = np.arange(num_computed, end_pos, dtype=np.int32)
-            needed_pages = -(-end_pos // page_size)
             for g in token_groups:
-                if len(tables[g]) < needed_pages:
+                size = sizes[g]
+                if len(tables[g]) < -(-end_pos // size):
                     raise InvalidRequestError(
-                        f"row {row} needs {needed_pages} pages for {end_pos} tokens, "
+                        f"row {row} needs {-(-end_pos // size)} pages for {end_pos} tokens, "
                         f"its page table for KV group {g} has {len(tables[g])}"
                     )
                 table = np.asarray(tables[g], np.int32)
-                slot_mapping[g][start : start + count] = table[pos // page_size] * page_size + pos % page_size
+                slot_mapping[g][start : start + count] = table[pos // size] * size + pos % size
             for g in range(num_groups):
                 page_indices[g][row, : len(tables[g])] = tables[g]
+            if state_interval and state_groups and count > 1:
+                saves += _state_saves(num_computed, end_pos, start, state_interval, tables[state_groups[0]])
             token_ids[start : start + count] = new_tokens
             positions[start : start + count] = pos
             seq_ids[start : start + count] = row
@@ -145,6 +160,11 @@ class RaggedBatch:
                 sample_offsets[sampled : sampled + samples] = np.arange(samples)
                 sampled += samples
             start += count
+        num_saves = bucket(max(1, len(saves)), STATE_SAVE_BUCKETS)
+        state_save_tokens = np.full(num_saves, padded_tokens, np.int32)
+        state_save_cols = np.zeros(num_saves, np.int32)
+        if saves:
+            state_save_tokens[:len(saves)], state_save_cols[:len(saves)] = zip(*saves)
         return RaggedBatch(
             token_ids=token_ids,
             positions=positions,
@@ -155,6 +175,8 @@ class RaggedBatch:
             page_indices=tuple(page_indices),
             logits_indices=logits_indices,
             sample_offsets=sample_offsets,
+            state_save_tokens=state_save_tokens,
+            state_save_cols=state_save_cols,
         )
 
     def for_groups(self, num_groups: int) -> "RaggedBatch":
@@ -184,6 +206,16 @@ class RaggedBatch:
 
     def replace(self, **changes) -> "RaggedBatch":
         return dataclasses.replace(self, **changes)
+
+
+def _state_saves(num_computed: int, end: int, first_token: int, interval: int, state_table: Sequence[int]):
+    """(flat token index, column) of each checkpoint a prefill chunk of tokens [num_computed, end) saves:
+    the multiples of `interval` strictly inside it, column 1 on, where the row's state table names a page."""
+    saves = []
+    for column, boundary in enumerate(range((num_computed // interval + 1) * interval, end, interval), start=1):
+        if column < len(state_table) and state_table[column]:
+            saves.append((first_token + boundary - num_computed - 1, column))
+    return saves
 
 
 def _group_tables(page_tables: Sequence) -> list[Sequence[int]]:

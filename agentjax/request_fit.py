@@ -25,7 +25,8 @@ def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
 def check_pool_fits(kv, prompt_tokens: int, max_tokens: int, max_model_len: int, chunk_tokens: int) -> None:
     """`OutOfPagesError` (cause "prompt" or "max_tokens") when `kv`'s whole pool could not hold a request of
     `prompt_tokens` plus `max_tokens` (capped at `max_model_len`); `chunk_tokens`: a step's token budget."""
-    pool = kv.pool.num_pages - 1  # page 0 is the null page
+    pool = kv.capacity_units  # pages, or for a pool of per-group page sizes the units it counts in
+    unit = "KV pages" if kv.pool.num_groups_share_ids else "KV page units"
 
     def pages(tokens: int) -> int:
         return kv.max_pages_for(min(tokens, max_model_len), chunk_tokens)
@@ -34,9 +35,19 @@ def check_pool_fits(kv, prompt_tokens: int, max_tokens: int, max_model_len: int,
     if needed <= pool:
         return
     if pages(prompt_tokens + 1) > pool:
-        raise OutOfPagesError(f"the prompt of {prompt_tokens} tokens needs {pages(prompt_tokens + 1)} KV pages "
+        raise OutOfPagesError(f"the prompt of {prompt_tokens} tokens needs {pages(prompt_tokens + 1)} {unit} "
                               f"but the pool has {pool}; shorten the prompt or {GROW_THE_POOL}", cause="prompt")
     fits = largest_fitting(lambda output: pages(prompt_tokens + output) <= pool, max_tokens)
-    raise OutOfPagesError(f"the prompt of {prompt_tokens} tokens plus max_tokens={max_tokens} need {needed} KV "
-                          f"pages but the pool has {pool}; lower max_tokens to at most {fits} or {GROW_THE_POOL}",
+    raise OutOfPagesError(f"the prompt of {prompt_tokens} tokens plus max_tokens={max_tokens} need {needed} "
+                          f"{unit} but the pool has {pool}; lower max_tokens to at most {fits} or {GROW_THE_POOL}",
                           cause="max_tokens")
+
+
+def request_token_capacity(kv, max_model_len: int, chunk_tokens: int) -> int:
+    """The most tokens (prompt plus output, at most `max_model_len`) one request alone fits in `kv`'s pool,
+    by the rule `check_pool_fits` applies."""
+
+    def fits(tokens: int) -> bool:
+        return kv.max_pages_for(tokens, chunk_tokens) <= kv.capacity_units
+
+    return max_model_len if fits(max_model_len) else largest_fitting(fits, max_model_len)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from agentjax.numerics import map_row_blocks
+from pallas_kernels import kda_states
 
 # Tokens per chunk of the fast prefill form (transformers uses 64). On CPU at Kimi-Linear's shapes 16
 # was fastest (the in-chunk [C, C, D] decay tensor grows with C), and it wastes less on each row's last chunk.
@@ -126,22 +127,27 @@ def delta_rule_step(state, q, k, v, g, beta):
     return state * decay[..., None] + k[..., None] * delta[..., None, :], out
 
 
-def recurrent_delta_rule(q, k, v, g, beta, states, token_seq_ids, num_tokens):
+def recurrent_delta_rule(q, k, v, g, beta, states, token_seq_ids, num_tokens, snapshot_of_token=None,
+                         num_snapshots: int = 0):
     """Token-sequential gated delta rule over the first `num_tokens` tokens (in order), each updating
-    its row's state: `(out [T, H, Dv], states [B, H, Dk, Dv])`. Every token runs the same `[H, D, D]`
-    arithmetic whatever the batch holds (the batch-invariant path)."""
+    its row's state: `(out [T, H, Dv], states [B, H, Dk, Dv], snapshots [S, H, Dk, Dv])`. Every token
+    runs the same `[H, D, D]` arithmetic whatever the batch holds (the batch-invariant path). With
+    `snapshot_of_token` ([T], `num_snapshots` for none) snapshot s is the state after the token marked s."""
     out = jnp.zeros(v.shape, jnp.float32)
+    snapshots = jnp.zeros((num_snapshots, *states.shape[1:]), jnp.float32)
 
     def body(t, carry):
-        states, out = carry
+        states, out, snapshots = carry
         row = token_seq_ids[t]
         state, o = delta_rule_step(jax.lax.dynamic_index_in_dim(states, row, keepdims=False), q[t], k[t], v[t], g[t],
                                    beta[t])
         states = jax.lax.dynamic_update_index_in_dim(states, state, row, 0)
-        return states, jax.lax.dynamic_update_index_in_dim(out, o, t, 0)
+        if snapshot_of_token is not None:
+            snapshots = snapshots.at[snapshot_of_token[t]].set(state, mode="drop")
+        return states, jax.lax.dynamic_update_index_in_dim(out, o, t, 0), snapshots
 
-    states, out = jax.lax.fori_loop(0, num_tokens, body, (states, out))
-    return out, states
+    states, out, snapshots = jax.lax.fori_loop(0, num_tokens, body, (states, out, snapshots))
+    return out, states, snapshots
 
 
 def decode_delta_rule(q, k, v, g, beta, states, cu_q_lens):
@@ -198,9 +204,11 @@ def chunk_delta_rule(q, k, v, g, beta, state):
     return out.transpose(1, 0, 2), state
 
 
-def chunked_delta_rule(q, k, v, g, beta, states, cu_q_lens, chunk_size: int = CHUNK_SIZE):
+def chunked_delta_rule(q, k, v, g, beta, states, cu_q_lens, chunk_size: int = CHUNK_SIZE, snapshot_of_token=None,
+                       num_snapshots: int = 0):
     """The chunked form over a ragged batch: each row is cut into chunks from its own first token
-    (the last one partial), chunks run in token order, each carrying its row's state."""
+    (the last one partial), chunks run in token order, each carrying its row's state. Snapshots as in
+    `recurrent_delta_rule`: a chunk holding a marked token runs once more up to that token."""
     num_tokens = q.shape[0]
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
     row_chunks = (lens + chunk_size - 1) // chunk_size
@@ -208,41 +216,59 @@ def chunked_delta_rule(q, k, v, g, beta, states, cu_q_lens, chunk_size: int = CH
     total_chunks = jnp.sum(row_chunks)
     pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, chunk_size)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
     q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))
+    marks = None if snapshot_of_token is None else jnp.pad(snapshot_of_token, (0, chunk_size),
+                                                            constant_values=num_snapshots)
     out = jnp.zeros(v.shape, jnp.float32)
+    snapshots = jnp.zeros((num_snapshots, *states.shape[1:]), jnp.float32)
     positions = jnp.arange(chunk_size)
 
     def body(chunk, carry):
-        states, out = carry
+        states, out, snapshots = carry
         row = jnp.searchsorted(first_chunk, chunk, side="right") - 1
         start = cu_q_lens[row] + (chunk - first_chunk[row]) * chunk_size
         valid = positions < (cu_q_lens[row + 1] - start)
 
-        def take(x):
+        def take(x, keep):
             part = jax.lax.dynamic_slice_in_dim(x, start, chunk_size, 0)
-            return jnp.where(valid.reshape(-1, *([1] * (x.ndim - 1))), part, 0.0)
+            return jnp.where(keep.reshape(-1, *([1] * (x.ndim - 1))), part, 0.0)
 
-        o, state = chunk_delta_rule(take(q), take(k), take(v), take(g), take(beta),
-                                    jax.lax.dynamic_index_in_dim(states, row, keepdims=False))
+        before = jax.lax.dynamic_index_in_dim(states, row, keepdims=False)
+        o, state = chunk_delta_rule(*(take(x, valid) for x in (q, k, v, g, beta)), before)
         old = jax.lax.dynamic_slice_in_dim(out, start, chunk_size, 0)
         out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None, None], o, old), start, 0)
-        return jax.lax.dynamic_update_index_in_dim(states, state, row, 0), out
+        if marks is not None:
+            marked = jnp.where(valid, jax.lax.dynamic_slice_in_dim(marks, start, chunk_size, 0), num_snapshots)
 
-    states, out = jax.lax.fori_loop(0, total_chunks, body, (states, out))
-    return out[:num_tokens], states
+            def snap(p, snapshots):
+                def run(snapshots):  # the chunk's tokens up to p only: later ones as padding (zeros)
+                    _, partial = chunk_delta_rule(*(take(x, valid & (positions <= p)) for x in (q, k, v, g, beta)),
+                                                  before)
+                    return snapshots.at[marked[p]].set(partial, mode="drop")
+
+                return jax.lax.cond(marked[p] < num_snapshots, run, lambda s: s, snapshots)
+
+            snapshots = jax.lax.fori_loop(0, chunk_size, snap, snapshots)
+        return jax.lax.dynamic_update_index_in_dim(states, state, row, 0), out, snapshots
+
+    states, out, snapshots = jax.lax.fori_loop(0, total_chunks, body, (states, out, snapshots))
+    return out[:num_tokens], states, snapshots
 
 
 def gated_delta_rule(q, k, v, g, beta, states, cu_q_lens, token_seq_ids, *, batch_invariant: bool,
-                     chunk_size: int = CHUNK_SIZE):
+                     chunk_size: int = CHUNK_SIZE, snapshot_of_token=None, num_snapshots: int = 0):
     """The delta rule of a ragged batch: token-sequential when batch-invariant; otherwise one
-    row-parallel step for decode batches and the chunked form for anything longer."""
+    row-parallel step for decode batches and the chunked form for anything longer. Returns
+    `(out, states, snapshots)` (see `recurrent_delta_rule`; a decode batch marks no token)."""
     num_tokens = cu_q_lens[-1]
+    snap = dict(snapshot_of_token=snapshot_of_token, num_snapshots=num_snapshots)
     if batch_invariant:
-        return recurrent_delta_rule(q, k, v, g, beta, states, token_seq_ids, num_tokens)
+        return recurrent_delta_rule(q, k, v, g, beta, states, token_seq_ids, num_tokens, **snap)
     lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    empty = jnp.zeros((num_snapshots, *states.shape[1:]), jnp.float32)
     return jax.lax.cond(
         jnp.max(lens) <= 1,
-        lambda: decode_delta_rule(q, k, v, g, beta, states, cu_q_lens),
-        lambda: chunked_delta_rule(q, k, v, g, beta, states, cu_q_lens, chunk_size),
+        lambda: (*decode_delta_rule(q, k, v, g, beta, states, cu_q_lens), empty),
+        lambda: chunked_delta_rule(q, k, v, g, beta, states, cu_q_lens, chunk_size, **snap),
     )
 
 
@@ -267,6 +293,7 @@ def kimi_delta_attention(
     batch_invariant: bool = False,
     chunk_size: int = CHUNK_SIZE,
     draft_states: tuple | None = None,
+    state_saves: tuple | None = None,
 ) -> tuple[Float[Array, "T H D"], Float[Array, "slots pages size"]]:
     """KDA's sequence mixing for a ragged batch, state in pages: `(out [T, H, D] float32, state_pages)`.
 
@@ -276,7 +303,9 @@ def kimi_delta_attention(
     `cu_q_lens[b]:cu_q_lens[b+1]`, `kv_lens[b]` its length after this step, `state_page_ids[b]` its
     running state page in layer slot `slot` of `state_pages`. Padding tokens get zeros (their rows
     write nothing). `draft_states` (speculative decoding) saves the states after draft tokens too
-    (`save_draft_states`).
+    (`kda_states.save_draft_states`). `state_saves = (token_index [S], page_ids [S])` saves the state
+    after token `token_index[s]` of its row into page `page_ids[s]` (past the buffer: no save): the
+    recurrent-state checkpoints inside a prefill chunk, equal to the state a run that ends there keeps.
     """
     num_tokens = mixed_qkv.shape[0]
     width = num_heads * head_dim
@@ -294,47 +323,20 @@ def kimi_delta_attention(
         q, k = l2norm(q), l2norm(k)
     q = q * (head_dim ** -0.5)
     g, beta = jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)
-    out, recurrent = gated_delta_rule(q, k, v, g, beta, initial, cu_q_lens, token_seq_ids,
-                                      batch_invariant=batch_invariant, chunk_size=chunk_size)
+    snap = {}
+    if state_saves is not None:
+        save_tokens, save_pages = (jnp.asarray(x, jnp.int32) for x in state_saves)
+        snap = dict(snapshot_of_token=kda_states.snapshot_index(save_tokens, save_pages, num_tokens,
+                                                                state_pages.shape[1]),
+                    num_snapshots=save_tokens.shape[0])
+    out, recurrent, snapshots = gated_delta_rule(q, k, v, g, beta, initial, cu_q_lens, token_seq_ids,
+                                                 batch_invariant=batch_invariant, chunk_size=chunk_size, **snap)
     valid = (jnp.arange(num_tokens) < cu_q_lens[-1])[:, None, None]
     state_pages = write_states(state_pages, slot, state_page_ids, lens, recurrent, tails)
+    if state_saves is not None:
+        state_pages = kda_states.write_snapshots(state_pages, slot, save_tokens, save_pages, snapshots, old_tails,
+                                                 mixed_qkv, cu_q_lens, token_seq_ids)
     if draft_states is not None:
-        state_pages = save_draft_states(state_pages, slot, draft_states, (q, k, v, g, beta), initial, old_tails,
-                                        mixed_qkv, cu_q_lens)
+        state_pages = kda_states.save_draft_states(state_pages, slot, draft_states, (q, k, v, g, beta), initial,
+                                                   old_tails, mixed_qkv, cu_q_lens)
     return jnp.where(valid, out, 0.0), state_pages
-
-
-def save_draft_states(state_pages, slot, draft_states, inputs, initial, old_tails, mixed_qkv, cu_q_lens):
-    """Speculative decoding: for rows whose tokens are a real token and its draft tokens (all sampled), the
-    state after each of them, so that rollback keeps the one after the last accepted draft.
-
-    `draft_states = (token_index [S], rows [S], page_ids [S])`: sample s is token `token_index[s]` of row
-    `rows[s]`, and the state after it goes to page `page_ids[s]` (past the buffer: not saved). A saved
-    row's samples run in token order from the row's state before this step, one `delta_rule_step` each
-    (the batch-invariant path's arithmetic, so the saved states equal the states it reaches there); each
-    page gets its recurrent state and the conv tail of the last K-1 inputs up to its token."""
-    token_index, rows, page_ids = (jnp.asarray(x, jnp.int32) for x in draft_states)
-    q, k, v, g, beta = inputs
-    num_tokens, kernel = mixed_qkv.shape[0], old_tails.shape[1] + 1
-    x = jnp.asarray(mixed_qkv, jnp.float32)
-    local = token_index - cu_q_lens[rows]
-    back = local[:, None] - (kernel - 2) + jnp.arange(kernel - 1)[None, :]  # [S, K-1] local index of each entry
-    from_batch = x[jnp.clip(cu_q_lens[rows][:, None] + back, 0, num_tokens - 1)]
-    from_tail = old_tails[rows[:, None], jnp.clip(kernel - 1 + back, 0, kernel - 2)]
-    tails_after = jnp.where((back >= 0)[..., None], from_batch, from_tail)
-    num_pages = state_pages.shape[1]
-
-    def save(s, carry):
-        states, pages = carry
-        row, token = rows[s], token_index[s]
-
-        def step(states, pages):
-            state, _ = delta_rule_step(states[row], q[token], k[token], v[token], g[token], beta[token])
-            pages = pages.at[slot, page_ids[s]].set(join_state(state, tails_after[s]))
-            return states.at[row].set(state), pages
-
-        return jax.lax.cond(page_ids[s] < num_pages, step, lambda states, pages: (states, pages), states, pages)
-
-    return jax.lax.cond(jnp.any(page_ids < num_pages),
-                        lambda pages: jax.lax.fori_loop(0, token_index.shape[0], save, (initial, pages))[1],
-                        lambda pages: pages, state_pages)

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels import kda
+from pallas_kernels import kda, kda_states
 from pallas_kernels.ragged_paged_attention import _next_power_of_two
 
 # Tokens per chunk of the chunked kernel: the smallest dot a Triton kernel takes.
@@ -226,17 +226,26 @@ def kimi_delta_attention_kernel(
     chunk_size: int = kda.CHUNK_SIZE,
     interpret: bool = False,
     draft_states: tuple | None = None,
+    state_saves: tuple | None = None,
     **options,
 ) -> tuple[Float[Array, "T H D"], Float[Array, "slots pages size"]]:
     """`kda.kimi_delta_attention`'s contract with the delta rule in the kernels: the decode step when
     no row holds more than one token, the chunked kernel otherwise (chosen at run time). In
-    batch-invariant numerics the reference runs (token-sequential by contract). `options` tune
-    `delta_rule_kernel`."""
+    batch-invariant numerics the reference runs (token-sequential by contract), and so does a step that
+    saves states inside a chunk (`state_saves`: the kernels keep only each row's last state).
+    `options` tune `delta_rule_kernel`."""
+    reference = functools.partial(
+        kda.kimi_delta_attention, slot=slot, token_seq_ids=token_seq_ids, num_heads=num_heads, head_dim=head_dim,
+        chunk_size=chunk_size, draft_states=draft_states)
+    args = (mixed_qkv, g, beta, conv_weight, state_pages, cu_q_lens, kv_lens, state_page_ids)
     if batch_invariant:
-        return kda.kimi_delta_attention(mixed_qkv, g, beta, conv_weight, state_pages, cu_q_lens, kv_lens,
-                                        state_page_ids, slot=slot, token_seq_ids=token_seq_ids, num_heads=num_heads,
-                                        head_dim=head_dim, batch_invariant=True, chunk_size=chunk_size,
-                                        draft_states=draft_states)
+        return reference(*args, batch_invariant=True, state_saves=state_saves)
+    if state_saves is not None:
+        kernel_run = functools.partial(kimi_delta_attention_kernel, slot=slot, token_seq_ids=token_seq_ids,
+                                       num_heads=num_heads, head_dim=head_dim, chunk_size=chunk_size,
+                                       interpret=interpret, draft_states=draft_states, **options)
+        saving = jnp.any(jnp.asarray(state_saves[1]) < state_pages.shape[1])
+        return jax.lax.cond(saving, lambda *a: reference(*a, state_saves=state_saves), kernel_run, *args)
     num_tokens, kernel = mixed_qkv.shape[0], conv_weight.shape[1]
     width = num_heads * head_dim
     cu_q_lens, kv_lens, state_page_ids, token_seq_ids = (
@@ -257,7 +266,7 @@ def kimi_delta_attention_kernel(
     rows = jnp.where(lens > 0, state_page_ids, state_pages.shape[1])
     state_pages = state_pages.at[slot, rows, recurrent:].set(tails.reshape(tails.shape[0], -1), mode="drop")
     if draft_states is not None:
-        state_pages = kda.save_draft_states(state_pages, slot, draft_states,
-                                            (q, k, v, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)),
-                                            initial, old_tails, mixed_qkv, cu_q_lens)
+        inputs = (q, k, v, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32))
+        state_pages = kda_states.save_draft_states(state_pages, slot, draft_states, inputs, initial, old_tails,
+                                                   mixed_qkv, cu_q_lens)
     return out, state_pages

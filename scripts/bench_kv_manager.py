@@ -23,25 +23,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO.parent / "shared" / "bench" / "vllm_baseline"
 SECTION = "## KV cache manager"
-LAYOUT_HEADING = "### Packed KV layout against a per-tensor layout (computed by agentjax.kv.layout, not timed)"
-
-
-def layout_table() -> str:
-    sys.path.insert(0, str(REPO))
-    from agentjax.kv.layout import preset_padding_reports
-
-    lines = [LAYOUT_HEADING, "",
-             "Bytes for one page id of every KV group (`padding_report`): per-tensor = every layer tensor in its own "
-             "buffer, its page padded to the largest layer page of the model (DeepSeek-V4 pages also aligned to 576 B); "
-             "packed = each group's layers back to back in one page of the pool's page size. Page tokens: DeepSeek-V4 "
-             "256, MiniMax-M3 128, Kimi-K3 16 (scaled up by the KDA state).", "",
-             "| preset | payload B | per-tensor B | packed B | saving |", "|---|---|---|---|---|"]
-    for r in preset_padding_reports():
-        lines.append(f"| {r.preset} | {r.payload_bytes:,} | {r.per_tensor_bytes:,} | {r.packed_bytes:,} | "
-                     f"{100 * r.saving:.1f}% |")
-    return "\n".join(lines) + "\n"
-
-
 def run_harness(args: argparse.Namespace) -> list[dict]:
     command = [str(args.vllm_python), "bench.py", "--mode", "kv", "--engine", "vllm", "agentjax",
                "-C", *map(str, args.concurrency), "--num-blocks", str(args.num_blocks),
@@ -138,18 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--harness", type=Path, default=HARNESS)
     parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--no-write", action="store_true", help="print the section only")
-    parser.add_argument("--layout-only", action="store_true",
-                        help="only recompute the layout table inside the existing section")
     args = parser.parse_args(argv)
-    if args.layout_only:
-        current = args.benchmarks_md.read_text()
-        start = current.index(SECTION)
-        end = current.find("\n## ", start + len(SECTION))
-        section = current[start:] if end < 0 else current[start:end + 1]
-        kept = section.split(LAYOUT_HEADING)[0].rstrip("\n")
-        write_section(kept + "\n\n" + layout_table(), args.benchmarks_md)
-        print(layout_table())
-        return 0
     if args.vllm_python is None or not Path(args.vllm_python).exists():
         sys.exit(f"vLLM venv missing ({args.vllm_python}): build it with `bash {HARNESS}/setup.sh` (a few "
                  "minutes, offline) and pass its Python as --vllm-python or VLLM_VENV_PYTHON.")
@@ -167,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python scripts/bench_kv_manager.py " + " ".join(argv if argv is not None else sys.argv[1:])
     conditions = (f"Run on {datetime.date.today().isoformat()}; load average {load_at_start:.2f} at the start and "
                   f"{os.getloadavg()[0]:.2f} at the end (the machine's 2 cores are shared: compare the ratios, not the µs).")
-    text = markdown(rows, args, runs[0][0], command.strip(), conditions) + "\n" + layout_table()
+    text = markdown(rows, args, runs[0][0], command.strip(), conditions)
     print(text)
     if not args.no_write:
         write_section(text, args.benchmarks_md)

@@ -19,6 +19,21 @@ import torch
 
 VOCAB = 512
 
+# Fixture a's model shape (below), for the fixtures that differ from it only in their compression rates.
+DSV4_A_SHAPE = dict(
+    max_position_embeddings=1024, hidden_size=64, num_hidden_layers=4,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=32, o_groups=2,
+    sliding_window=16, index_n_heads=4, index_head_dim=16, index_topk=8,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
+    swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+    rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                     "beta_fast": 32.0, "beta_slow": 1.0},
+)
+
 DSV4_FIXTURES = {
     # ARCHITECTURES.md 5.1's layer pattern, rates, window, top-k, heads, mHC and MoE routing, at
     # narrower widths (hidden 64) so the checkpoint stays under 2 MB.
@@ -86,13 +101,24 @@ DSV4_FIXTURES = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
         swiglu_limit=10.0, hc_mult=3, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
         rope_theta=10000.0, compress_rope_theta=160000.0, rope_parameters=None, bos_token_id=0, eos_token_id=1,
+    # The heavily compressed rates of published checkpoints' shape (4 and 32, 4 and 128), which need KV pages
+    # of 32 or 128 tokens for their entries: loaded with the default settings (agentjax/kv/layout.py); with a
+    # small byte-level tokenizer, so `agentjax serve` can return text. The indexer keeps every entry of these
+    # prompts (top-64), so no index tie leaves transformers' choice to torch.topk (fixture a covers selection).
+    "deepseek-v4-rates-4-32": dict(
+        DSV4_A_SHAPE, seed=43, prompt_len=80, tokenizer=True, index_topk=64,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+    ),
+    "deepseek-v4-rates-4-128": dict(
+        DSV4_A_SHAPE, seed=44, prompt_len=144, tokenizer=True, max_position_embeddings=2048, index_topk=64,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
     ),
 }
 
 
 # Spec keys that are not config fields: seeds, prompt length and "init" ("transformers": keep transformers' own
 # initialisation at the spec's initializer_range for every tensor it draws at random, see `build`).
-SPEC_ONLY = ("seed", "prompt_seed", "extra_prompt_seeds", "prompt_len", "init")
+SPEC_ONLY = ("seed", "prompt_seed", "extra_prompt_seeds", "prompt_len", "init", "tokenizer")
 
 
 def build_config(spec: dict):

@@ -144,6 +144,7 @@ def exported_metrics() -> dict[str, list[dict]]:
 
 _STATS_WITH_OPTIONS = {
     "kv_cached_blocks_by_group": [(0, "full_attention", 0)],
+    "kv_groups": [{"group": "kv", "used_bytes": 0, "reserved_bytes": 0}],
     "spec_decode": {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                     "accepted_per_position": [0, 0]},
     "kv_offload": {"tiers": ["host", "disk", "mooncake"],

@@ -311,6 +311,23 @@ def check_reload(cls, out_dir: Path, model) -> torch.nn.Module:
     return loaded.eval()
 
 
+def write_tokenizer(out_dir: Path, vocab: int) -> None:
+    """A byte-level BPE tokenizer.json of `vocab` tokens, trained on a fixed text (the same bytes on every
+    run): lets a server turn a fixture's token ids into text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    text = [" ".join(f"agent{i} calls tool{i * 7 % 97} in session {i % 13}; reads file{i % 29}.py" for i in range(600))]
+    tokenizer.train_from_iterator(text, trainer)
+    if tokenizer.get_vocab_size() > vocab:
+        raise RuntimeError(f"the fixture tokenizer has {tokenizer.get_vocab_size()} tokens, over {vocab}")
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+
 def make_fixture(name: str, spec: dict, build, out_root: Path, reference=None) -> dict:
     model, cls, extra = build(spec)
     out_dir = out_root / name
@@ -319,6 +336,8 @@ def make_fixture(name: str, spec: dict, build, out_root: Path, reference=None) -
         stale.unlink()
     model.save_pretrained(out_dir)
     add_tensors(out_dir / "model.safetensors", extra)
+    if spec.get("tokenizer"):
+        write_tokenizer(out_dir, VOCAB)
     size = (out_dir / "model.safetensors").stat().st_size
     if size > CHECKPOINT_LIMIT_BYTES:
         raise RuntimeError(f"{name}: model.safetensors is {size} bytes, over {CHECKPOINT_LIMIT_BYTES}")

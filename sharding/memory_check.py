@@ -4,8 +4,8 @@
 quantised parts, bfloat16 floats) and the KV pages the engine will size, and compares them with what
 the device has (its allocator's `bytes_limit`; on a CPU, the host's available memory shared by the
 process's devices). It prints one line either way and raises `InsufficientMemoryError` with the
-numbers when they do not fit. `kv_bytes_per_device` mirrors the engine's KV sizing (agentjax/engine.py):
-the one place to change when the KV pool's accounting changes.
+numbers when they do not fit. `kv_bytes_per_device` reads the KV memory layout the engine builds
+(agentjax/engine_kv.py), so it follows the pool's accounting.
 """
 from __future__ import annotations
 
@@ -39,17 +39,26 @@ def _meminfo(field: str) -> int:
 
 
 def kv_bytes_per_device(model_cfg, engine_cfg) -> int:
-    """The KV pages one device holds: the engine's page count (`num_kv_blocks`, else `kv_cache_memory_gb` over
-    the model's page bytes) times the bytes of a page on one device of the layout."""
+    """The KV memory one device holds: the engine's own layout (`engine_kv_layout`) whole on one device, a
+    device's part of it under a parallel layout (a "pool" layout's local slabs, else the shared layout's
+    pages of the device's buffers)."""
+    from agentjax.engine_kv import engine_kv_layout
+
+    layout = engine_kv_layout(model_cfg, engine_cfg)
     parallel = engine_cfg.parallel
-    page_tokens = parallel.kv_page_tokens(engine_cfg.block_size)
-    pages = engine_cfg.num_kv_blocks or max(16, int(engine_cfg.kv_cache_memory_gb * 2**30)
-                                            // model_cfg.kv_bytes_per_page(engine_cfg.block_size))
     if parallel.is_single_device:
-        return pages * model_cfg.kv_bytes_per_page(page_tokens)
+        return layout.total_bytes
+    from sharding.layouts import local_model_config
+
+    if layout.mode == "pool":
+        from agentjax.kv.layout import local_layout
+
+        local_cfg = local_model_config(model_cfg, parallel)
+        return local_layout(layout, local_cfg, parallel.decode_context_parallel_size).total_bytes
     from sharding.step import local_kv_buffer_specs
 
-    return pages * sum(spec.bytes_per_page for spec in local_kv_buffer_specs(model_cfg, parallel, page_tokens))
+    page_tokens = parallel.kv_page_tokens(engine_cfg.block_size)
+    return layout.num_slabs * sum(spec.bytes_per_page for spec in local_kv_buffer_specs(model_cfg, parallel, page_tokens))
 
 
 def check_memory(weight_bytes: dict, kv_bytes: int, layout: str, devices: Sequence, *, quiet: bool = False) -> None:

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from agentjax.kernels import resolve_attention_impl
+from agentjax.kv_buffers import DeviceLayout, KVPool
 from agentjax.runner.step import sampling_step_function
 from sharding.attention import ParallelAttentionOps, select_rank_tokens, unpermute_tokens
 from sharding.mesh import ParallelConfig, axes
@@ -55,15 +56,29 @@ class ShardedStep:
     def data_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec(axes("data")))
 
-    def new_kv_pages(self, num_pages: int, page_size: int) -> tuple:
-        """Zeroed KV buffers: per group `[devices, slots, pages, *local page shape]`."""
+    def new_kv_pages(self, num_pages: int, page_size: int, kv_layout=None):
+        """Zeroed KV buffers: per group `[devices, slots, pages, *local page shape]`; with a "pool"
+        `kv_layout`, one pool `[devices, slabs, local slab words]` of the devices' parts of it."""
         devices = self.parallel.num_devices
+        if kv_layout is not None and kv_layout.mode == "pool":
+            local = self.local_kv_layout(kv_layout)
+            shape = (devices, local.num_slabs, local.slab_words)
+            zeros = jax.jit(functools.partial(jnp.zeros, shape, local.dtype), out_shardings=self.device_sharding())
+            return KVPool(zeros(), DeviceLayout.of(local))
         buffers = []
         for spec in local_kv_buffer_specs(self.cfg, self.parallel, page_size):
             shape = (devices, spec.num_slots, num_pages, *spec.page_shape)
             zeros = jax.jit(functools.partial(jnp.zeros, shape, spec.dtype), out_shardings=self.device_sharding())
             buffers.append(zeros())
         return tuple(buffers)
+
+    def local_kv_layout(self, kv_layout):
+        """One device's part of a "pool" layout (agentjax/kv/layout.py `local_layout`)."""
+        from agentjax.kv.layout import local_layout
+        from sharding.layouts import local_model_config
+
+        return local_layout(kv_layout, local_model_config(self.cfg, self.parallel),
+                            self.parallel.decode_context_parallel_size)
 
     def forward(self, params, kv_pages: tuple, batch, pcp_tokens=None):
         """The per-device forward: `(hidden of every token of the batch, kv_pages)`."""
@@ -86,7 +101,7 @@ class ShardedStep:
         uses_pcp = self.parallel.prefill_context_parallel_size > 1
 
         def per_device(params, kv_pages, stacked, pcp_tokens):
-            kv_pages = tuple(buffer[0] for buffer in kv_pages)
+            kv_pages = jax.tree.map(lambda buffer: buffer[0], kv_pages)  # this device's buffers (or pool)
             inputs = jax.tree.map(lambda a: a[0], stacked)
             tokens_of_rank = pcp_tokens[0] if uses_pcp else None
             forward = functools.partial(self._forward_with_tokens, pcp_tokens=tokens_of_rank)
@@ -95,7 +110,7 @@ class ShardedStep:
             out = step(params, kv_pages, *inputs)
             *results, kv_pages = out
             results = jax.tree.map(lambda a: a[None], tuple(results))
-            return (*results, tuple(buffer[None] for buffer in kv_pages))
+            return (*results, jax.tree.map(lambda buffer: buffer[None], kv_pages))
 
         data = PartitionSpec(axes("data"))
         device = PartitionSpec(axes("device"))
@@ -103,7 +118,7 @@ class ShardedStep:
         num_results = 2 if extended else 1
 
         def run(params, kv_pages, stacked, pcp_tokens):
-            kv_specs = tuple(device for _ in kv_pages)
+            kv_specs = jax.tree.map(lambda _: device, kv_pages)
             in_specs = (self.param_specs, kv_specs, jax.tree.map(lambda _: data, stacked), pcp_spec)
             out_specs = (*([data] * num_results), kv_specs)
             mapped = jax.shard_map(per_device, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,

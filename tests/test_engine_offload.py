@@ -92,7 +92,7 @@ def kimi_reference(kimi):
 @pytest.mark.parametrize("tier", TIERS)
 def test_kimi_conversation_with_recurrent_state_from_each_tier_is_token_exact(kimi, kimi_reference, tier, tmp_path,
                                                                               request):
-    engine = make_engine(*kimi, **_tier_settings(tier, tmp_path, request))
+    engine = make_engine(*kimi, state_checkpoint_tokens=64, **_tier_settings(tier, tmp_path, request))
     replies, cached, computed = run_conversation(engine, KIMI_FIRST, KIMI_FOLLOW_UPS)
     assert replies == kimi_reference
     assert cached == expected_hits(computed, checkpoint=64) == [0, 128, 192]  # the last state checkpoints
@@ -131,18 +131,21 @@ DSV4_POOL = {"num_kv_blocks": 160}  # seven KV groups share the pool
 
 @pytest.mark.slow
 def test_dsv4_compressed_entries_and_window_groups_come_back_from_the_host_tier_token_exact(dsv4):
-    """DeepSeek-V4's kinds: compressed latents (ratios 4 and 16) and indexer keys (prefix groups), sliding
-    latents and the compressors' rolling states (window groups), all through the host tier."""
+    """DeepSeek-V4's kinds: compressed latents (ratios 4 and 16) and indexer keys (one packed prefix page
+    group), sliding latents and the compressors' rolling states (window groups), all through the host tier."""
     reference = run_conversation(make_engine(*dsv4, enable_prefix_caching=False, **DSV4_POOL), DSV4_FIRST,
                                  DSV4_FOLLOW_UPS, evict=False)[0]
     engine = make_engine(*dsv4, host_cache_gb=0.05, **DSV4_POOL)
     replies, cached, computed = run_conversation(engine, DSV4_FIRST, DSV4_FOLLOW_UPS)
     assert replies == reference
     assert cached == expected_hits(computed) == [0, 96]
-    groups = engine.kv.groups
-    prefix = sum(g.group.spec.hit_rule == "prefix" for g in groups)
-    window = sum(g.group.spec.hit_rule == "window" for g in groups)
-    assert (prefix, window) == (3, 4)
+    layout = engine.kv.layout  # the pool packs the prefix kinds into one page group
+    prefix_groups = [g for g in layout.groups if g.hit_rule == "prefix"]
+    window = sum(g.hit_rule == "window" for g in layout.groups)
+    assert (len(prefix_groups), window) == (1, 4)
+    assert sorted((layout.kinds[k].role, layout.kinds[k].spec.tokens_per_entry) for k in prefix_groups[0].kinds) \
+        == [("entries", 4), ("entries", 16), ("index_entries", 4)]
+    prefix = len(prefix_groups)
     # every prefix group's pages up to the hit, and each window group's last page before it
     assert engine.stats()["kv_offload"]["pages_loaded"]["host"] == cached[1] // 16 * prefix + window
     engine.offload_worker.close()

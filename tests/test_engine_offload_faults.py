@@ -223,8 +223,12 @@ def _store_then_evict(engine: Engine, prompt: list[int], cold) -> None:
 def _assert_pool_at_baseline(engine: Engine) -> None:
     pool = engine.kv.pool
     engine.kv.check_invariants()
-    assert np.count_nonzero(pool.ref_counts[1:]) == 0, "pages still referenced after every request ended"
-    assert pool.num_free == pool.num_pages - 1
+    # every page free again: a one-size pool's ids, or a slab pool's pages and its slabs no group owns
+    assert engine.kv.num_free_blocks == engine.kv.capacity_units, "pages still referenced after every request ended"
+    if pool.num_groups_share_ids:
+        assert np.count_nonzero(pool.ref_counts[1:]) == 0 and pool.num_free == pool.num_pages - 1
+    else:
+        assert pool.group_usage()[1].sum() == 0  # no page held in any group's slabs
     assert engine.offload.num_held == 0 and not engine.offload._held
 
 

@@ -62,9 +62,12 @@ def time_steps(runner, specs: Sequence[Sequence[tuple[int, int]]] = DEFAULT_SHAP
     """Times `runner.execute` on each spec: a first call per shape (compiling it), then `repeats`
     rounds over all the shapes (round-robin, so a burst of load on a shared machine spreads over
     shapes instead of skewing one), reporting each shape's median."""
+    from agentjax.kv_buffers import num_page_tables
+
     prepared, firsts = [], []
     for spec in specs:
-        rows = synthetic_rows(spec, runner.page_size, len(runner.kv_pages), runner.num_pages)
+        tables = num_page_tables(runner.kv_pages) or len(runner.kv_pages)  # a pool's page groups, or buffers
+        rows = synthetic_rows(spec, runner.page_size, tables, runner.num_pages)
         prepared.append((rows, [(0.0, 0, 1.0, 0, 0)] * len(rows)))
         started = time.perf_counter()
         runner.execute(*prepared[-1])

@@ -183,6 +183,12 @@ class CostModel:
             per_gpu += (draft["dense"] / lay.tp + draft["experts"] / expert_split) / lay.pp
             mixers += list(self.speculation.draft_shape.mixers)
         kv_per_token = fixed = 0.0
+        if shape.kv_terms:  # the engine's accounting of the model's KV (its layout's pages and padding)
+            mixers = mixers[len(shape.mixers):]
+            for term in shape.kv_terms:
+                split = min(lay.tp, term.tp_shards)
+                kv_per_token += term.bytes_per_token / (split * lay.dcp) / lay.pp
+                fixed += term.bytes_per_sequence / split / lay.pp
         for mixer, count in mixers:
             for stream in mixer.streams:
                 split = min(lay.tp, stream.tp_shards) * lay.dcp

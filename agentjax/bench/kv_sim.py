@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agentjax.bench.kv_replay import Replay, ReplayRequest, infinite_cache_hits, next_uses
+from agentjax.bench.kv_sim_states import StatePlan, StateStore
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.hashing import block_hashes
 from agentjax.kv.manager import KVCacheManager
@@ -147,7 +148,7 @@ class PolicyReplay:
 
     def __init__(self, replay: Replay, policy: str, hbm_blocks: int, host_blocks: int = 0, disk_blocks: int = 0,
                  retention: str = "interval", policy_options: dict | None = None,
-                 future: list[np.ndarray] | None = None):
+                 future: list[np.ndarray] | None = None, states: StatePlan | None = None):
         if hbm_blocks < 1:
             raise InvalidRequestError(f"device capacity must be >= 1 block of {replay.block_tokens} tokens, "
                                       f"got {hbm_blocks}")
@@ -171,6 +172,10 @@ class PolicyReplay:
         self.lower = [SimTier(name, blocks, make_policy(policy, self.clock, **options))
                       for name, blocks in (("host", host_blocks), ("disk", disk_blocks)) if blocks > 0]
         self.retention: RetentionPolicy | None = make_retention(retention) if self.lower else None
+        if states is not None and self.lower:
+            raise InvalidRequestError("recurrent states are modelled on the device only: drop --host-tokens and "
+                                      "--disk-tokens with --state-model")
+        self.states = StateStore(states, hbm_blocks * replay.block_tokens, replay.block_tokens) if states else None
         self.result = PolicyResult(policy)
         self.result.writes = {tier.name: 0 for tier in self.lower}
         self._salts = [f"kv-sim:{index}" for index in range(replay.num_sessions)]
@@ -197,6 +202,10 @@ class PolicyReplay:
             raise InvalidRequestError(f"request {index} needs {resident + 1} pages of an idle pool of "
                                       f"{manager.pool.num_pages - 1}")
         hits = [manager.num_cached_tokens(req_id)]
+        if self.states is not None:  # a hit lands on a saved state at or before the cached pages' end
+            chained = manager.block_hashes(req_id)[:resident]
+            attention = hits[0]
+            hits[0] = self.states.hit(chained, attention)
         keys = self.replay.block_keys(request).tolist() if self.lower else []
         for tier in self.lower:
             hits.append(tier.run_from(keys, hits[-1]))
@@ -210,7 +219,11 @@ class PolicyReplay:
         future = self.future[index] if self.future is not None else None
         if future is not None:
             self.policy.set_next_use(pages, future)
-        self.result.device_evictions += self.order.evict_cached_beyond(self.hbm_blocks)
+        attention_blocks = self.hbm_blocks
+        if self.states is not None:
+            self.states.save(chained, hits[0], attention)
+            attention_blocks -= int(np.ceil(self.states.used_tokens / self.replay.block_tokens))
+        self.result.device_evictions += self.order.evict_cached_beyond(max(attention_blocks, 0))
         if self.lower:
             chosen = self.retention.select(keys, request.branch_point)
             for tier in self.lower:
@@ -250,6 +263,7 @@ class KVSimConfig:
     retention: str = "interval"
     policy_options: dict = field(default_factory=dict)  # policy name -> constructor options
     progress_every_s: float = 10.0
+    states: StatePlan | None = None  # a recurrent-state model's states (agentjax/bench/kv_sim_states.py)
 
 
 def simulate(replay: Replay, config: KVSimConfig, report: Callable[[str], None] | None = None,
@@ -272,11 +286,13 @@ def simulate(replay: Replay, config: KVSimConfig, report: Callable[[str], None] 
     for position, name in enumerate(names):
         simulation = PolicyReplay(replay, name, config.hbm_tokens // block, config.host_tokens // block,
                                   config.disk_tokens // block, config.retention,
-                                  config.policy_options.get(name), future)
+                                  config.policy_options.get(name), future, config.states)
         progress = (_bar_progress(name, bar, position * total) if bar is not None
                     else _progress(name, total, config.progress_every_s, report))
         result = simulation.run(progress)
         results[name] = result.as_dict()
+        if simulation.states is not None:
+            results[name]["states"] = simulation.states.summary(config.hbm_tokens)
         if report:
             report(f"{name}: token hit rate {results[name]['token_hit_rate']:.4f} "
                    f"(device {results[name]['tiers']['device']:.4f}) in {result.seconds:.1f} s")
@@ -297,7 +313,8 @@ def simulate(replay: Replay, config: KVSimConfig, report: Callable[[str], None] 
     return {
         "config": {"lanes": config.lanes, "stagger_s": replay.stagger_s, "hbm_tokens": config.hbm_tokens,
                    "host_tokens": config.host_tokens, "disk_tokens": config.disk_tokens, "block_tokens": block,
-                   "retention": config.retention, "policies": names, "policy_options": config.policy_options},
+                   "retention": config.retention, "policies": names, "policy_options": config.policy_options,
+                   "states": config.states.describe() if config.states else None},
         "workload": {"sessions": replay.num_sessions, "requests": len(replay.requests), "input_tokens": input_tokens},
         "results": results,
         "best_online": {"policy": best, "token_hit_rate": results[best]["token_hit_rate"],

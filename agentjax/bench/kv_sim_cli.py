@@ -18,6 +18,7 @@ from pathlib import Path
 
 from agentjax.bench.kv_replay import build_replay
 from agentjax.bench.kv_sim import KVSimConfig, simulate
+from agentjax.bench.kv_sim_states import STATE_RETENTIONS, StatePlan, model_state_tokens
 from agentjax.bench.traces import load_weka_trace_file
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.policies import POLICY_NAMES
@@ -88,6 +89,33 @@ def add_kv_sim_flags(parser: argparse.ArgumentParser) -> None:
                         help="sigma of the lognormal error on expected_next_turn_s hints")
     parser.add_argument("--seed", type=int, default=0, help="seed of the hint errors")
     parser.add_argument("--out", default=None, help="write the results JSON here (default: print only)")
+    states = parser.add_argument_group("recurrent states", "a hybrid model's hits land on saved states "
+                                       "(agentjax/bench/kv_sim_states.py); device tier only")
+    states.add_argument("--state-model", default=None, metavar="PRESET",
+                        help="model the recurrent states of this preset at full size (e.g. kimi-k3): a state's "
+                             "bytes in tokens of its prefix KV, and its default interval")
+    states.add_argument("--state-tokens", type=float, default=None,
+                        help="one state's bytes in tokens of prefix KV (default: the --state-model's)")
+    states.add_argument("--state-retention", default="interval", choices=STATE_RETENTIONS,
+                        help="which states a request leaves: end (the prompt's end), interval (and every "
+                             "--state-interval tokens), marconi (and where a prefix seen before ended)")
+    states.add_argument("--state-interval", type=parse_tokens, default=None,
+                        help="tokens between interval states (default: the --state-model's cost-aware interval)")
+    states.add_argument("--max-state-share", type=float, default=0.5,
+                        help="the most of the device memory states may hold")
+
+
+def _state_plan(args: argparse.Namespace, block_tokens: int) -> StatePlan | None:
+    """The --state-* flags as a `StatePlan` (None without --state-model or --state-tokens)."""
+    if args.state_model is None and args.state_tokens is None:
+        return None
+    state_tokens, interval = model_state_tokens(args.state_model) if args.state_model else (None, None)
+    state_tokens = args.state_tokens or state_tokens
+    interval = args.state_interval or interval
+    if args.state_retention == "interval" and not interval:
+        raise InvalidRequestError("--state-retention interval needs --state-interval (or a --state-model)")
+    interval = -(-interval // block_tokens) * block_tokens if interval else 0  # whole trace blocks
+    return StatePlan(state_tokens, args.state_retention, interval, args.max_state_share)
 
 
 def format_kv_sim(summary: dict) -> str:
@@ -102,6 +130,12 @@ def format_kv_sim(summary: dict) -> str:
         lines.append(f"{name:<10} {100 * result['token_hit_rate']:8.2f}% {100 * tiers['device']:7.2f}% "
                      f"{100 * tiers['host']:7.2f}% {100 * tiers['disk']:7.2f}% "
                      f"{result.get('of_belady', float('nan')):10.4f} {result.get('of_infinite', 1.0):8.4f}")
+    for name, result in results.items():
+        if "states" in result:
+            states = result["states"]
+            lines.append(f"{name:<10} states: {states['retention']} (interval {states['interval_tokens']}), "
+                         f"{states['states_saved']:,} saved, peak {100 * states['peak_state_share']:.1f}% of the "
+                         f"device memory")
     best = summary["best_online"]
     lines.append(f"best online: {best['policy']} at {best['of_belady']:.4f} of Belady, "
                  f"{best['of_infinite']:.4f} of the infinite cache")
@@ -130,7 +164,8 @@ def run_kv_sim_command(args: argparse.Namespace) -> int:
     report(f"{len(replay.requests)} requests, {replay.input_tokens:,} input tokens")
     config = KVSimConfig(lanes=args.lanes, hbm_tokens=args.hbm_tokens, host_tokens=args.host_tokens,
                          disk_tokens=args.disk_tokens, policies=policies, retention=args.retention,
-                         policy_options=_policy_options(args.policy_option))
+                         policy_options=_policy_options(args.policy_option),
+                         states=_state_plan(args, replay.block_tokens))
     summary = simulate(replay, config, report, show_bar=not is_quiet())
     summary["config"].update(traces=args.traces, num_trace_files=len(paths), hint_sigma=args.hint_sigma,
                              seed=args.seed)

@@ -107,6 +107,9 @@ class ModelShape:
     max_context: int
     activation_bytes: float = 2.0
     source: str = ""
+    kv_dtype: str = ""  # what the KV streams' bytes assume ("fp8": ARCHITECTURES.md's plans)
+    # The engine's accounting of KV memory (`engine_kv_terms`): when set, capacity comes from it
+    kv_terms: tuple["KVTerm", ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -143,6 +146,41 @@ class ModelShape:
                 "embedding": self.embedding_params * self.lm_head_bytes_per_param}
 
 
+@dataclass(frozen=True)
+class KVTerm:
+    """One KV kind's bytes in the engine's memory layout (agentjax/kv/layout.py), its page padding
+    included: per token of context (kinds that grow) and per sequence (windows, states); `tp_shards`:
+    TP ranks it splits across (1: replicated)."""
+
+    role: str
+    bytes_per_token: float
+    bytes_per_sequence: float
+    tp_shards: int
+
+
+def engine_kv_terms(cfg, block_size: int = 16, memory_bytes: int = 100 << 30) -> tuple[KVTerm, ...]:
+    """The KV terms of a `ModelConfig` by the engine's "pool" layout of `memory_bytes`."""
+    from agentjax.kv.layout import build_layout
+
+    layout = build_layout(cfg, block_size, memory_bytes=memory_bytes)
+    heads = {"kv": cfg.num_kv_heads, "state": cfg.kda.num_heads if cfg.kda is not None else 1}
+    terms = []
+    for group in layout.groups:
+        padding = layout.slab_words / (group.pages_per_slab * group.page_words)  # the slab's unused words
+        if group.hit_rule == "checkpoint":
+            pages = 1
+        elif group.hit_rule == "window":
+            pages = -(-group.hit_spec.window // group.tokens_per_page) + 1
+        else:
+            pages = 0
+        for index in group.kinds:
+            kind = layout.kinds[index]
+            page = kind.slots * kind.cell_words * layout.word_bytes * padding
+            per_token = page / group.tokens_per_page if group.hit_rule == "prefix" else 0.0
+            terms.append(KVTerm(kind.role, per_token, page * pages, heads.get(kind.role, 1)))
+    return tuple(terms)
+
+
 def gqa(heads: int, kv_heads: int, head_dim: int, kv_bytes: float, window: int | None = None) -> Mixer:
     """Grouped-query attention: QK and PV are 2 FLOPs each per query head and key channel."""
     stream = KeyStream(4.0 * heads * head_dim, 2.0 * kv_heads * head_dim * kv_bytes, window=window, tp_shards=kv_heads)
@@ -151,15 +189,17 @@ def gqa(heads: int, kv_heads: int, head_dim: int, kv_bytes: float, window: int |
 
 # ------------------------------------------------------------------ full-size shapes (ARCHITECTURES.md)
 
-def _deepseek_v4_pro() -> ModelShape:
+def _deepseek_v4_pro(kv_dtype: str = "fp8") -> ModelShape:
     """Sections 0, 4, 6: 30 CSA + 31 HCA layers, all with a 128-token SWA; 128 heads x 512 (MQA, K = V);
-    fp8_ds_mla entries of 584 B, FP8 indexer keys of 132 B (64 heads x 128)."""
+    fp8_ds_mla entries of 584 B, FP8 indexer keys of 132 B (64 heads x 128); with `kv_dtype`
+    "bfloat16", the rows (1,024 B) and keys (256 B) the engine stores today."""
     per_key = 4.0 * 128 * 512
-    swa = KeyStream(per_key, 584.0, window=128)
-    csa = Mixer("dsv4_csa", (swa, KeyStream(per_key, 584.0, ratio=4, topk=1024),
-                             KeyStream(2.0 * 64 * 128, 132.0, ratio=4)),
+    row, key = (584.0, 132.0) if kv_dtype == "fp8" else (1024.0, 256.0)
+    swa = KeyStream(per_key, row, window=128)
+    csa = Mixer("dsv4_csa", (swa, KeyStream(per_key, row, ratio=4, topk=1024),
+                             KeyStream(2.0 * 64 * 128, key, ratio=4)),
                 state_bytes=8 * 8192 + 8 * 2048, state_traffic_bytes=2 * (8192 + 2048))
-    hca = Mixer("dsv4_hca", (swa, KeyStream(per_key, 584.0, ratio=128)),
+    hca = Mixer("dsv4_hca", (swa, KeyStream(per_key, row, ratio=128)),
                 state_bytes=128 * 4096, state_traffic_bytes=2 * 4096)
     return ModelShape(
         name="deepseek-v4-pro", hidden=7168, vocab=129_280, mixers=((csa, 30), (hca, 31)),
@@ -167,15 +207,15 @@ def _deepseek_v4_pro() -> ModelShape:
         lm_head_params=129_280 * 7168, lm_head_bytes_per_param=2.0, embedding_params=129_280 * 7168,
         moe=MoEShape(layers=61, experts=384, top_k=6, params_per_expert=3 * 7168 * 3072,
                      bytes_per_param=DTYPE_BYTES["mxfp4"]),
-        page_tokens=256, max_context=1 << 20,
+        page_tokens=256, max_context=1 << 20, kv_dtype=kv_dtype,
         source="ARCHITECTURES.md s.6: N_act 49.8B, W = 12.85 GB routed MXFP4 + 23.5 GB FP8 + 1.85 GB bf16 "
                "lm_head; mHC's 4 residual streams and MTP are not counted")
 
 
-def _kimi_k3() -> ModelShape:
-    """Sections 0, 4, 6: 24 gated NoPE MLA layers (96 heads, latent 512 + 64, fp8 KV) and 69 KDA
-    layers (96 heads x 128, fp32 state); latent MoE 7168 -> 3584, 896 experts, top-16."""
-    mla_stream = KeyStream(2.0 * 96 * (576 + 512), 576.0,
+def _kimi_k3(kv_dtype: str = "fp8") -> ModelShape:
+    """Sections 0, 4, 6: 24 gated NoPE MLA layers (96 heads, latent 512 + 64, fp8 KV, or `kv_dtype`) and
+    69 KDA layers (96 heads x 128, fp32 state); latent MoE 7168 -> 3584, 896 experts, top-16."""
+    mla_stream = KeyStream(2.0 * 96 * (576 + 512), 576.0 * DTYPE_BYTES.get(kv_dtype, 1.0),
                            expand_flops_per_entry=2.0 * 512 * 96 * (128 + 128),
                            expanded_flops_per_entry=2.0 * 96 * (192 + 128))
     mla = Mixer("mla", (mla_stream,))
@@ -188,28 +228,29 @@ def _kimi_k3() -> ModelShape:
         lm_head_params=163_840 * 7168, lm_head_bytes_per_param=2.0, embedding_params=163_840 * 7168,
         moe=MoEShape(layers=92, experts=896, top_k=16, params_per_expert=3 * 3584 * 3072,
                      bytes_per_param=DTYPE_BYTES["mxfp4"]),
-        page_tokens=64, max_context=1 << 20,
+        page_tokens=64, max_context=1 << 20, kv_dtype=kv_dtype,
         source="ARCHITECTURES.md s.6: N_act 105.4B, routed active 48.6B MXFP4, the rest BF16 (W = 137 GB; "
                "76 GB if every Linear is MXFP4); block AttnRes not counted")
 
 
-def _minimax_m3() -> ModelShape:
+def _minimax_m3(kv_dtype: str = "fp8") -> ModelShape:
     """Sections 0, 4, 6: 3 dense GQA + 57 block-sparse GQA (64/4 heads x 128, top-16 blocks of 128,
     indexer 4 x 128 over one shared key); NVFP4 routed experts, FP8 other weights, fp8 KV and index
-    (68,736 B per token)."""
+    (68,736 B per token), or KV and index in `kv_dtype`."""
+    width = DTYPE_BYTES.get(kv_dtype, 1.0)
     attention = 6144 * 64 * 128 * 2 + 6144 * 4 * 128 * 2
     indexer = 6144 * 4 * 128 + 6144 * 128
     dense_ffn, expert = 3 * 6144 * 12_288, 3 * 6144 * 3072
     dense_params = 60 * attention + 57 * indexer + 3 * dense_ffn + 57 * expert + 57 * 6144 * 128
     sparse = Mixer("block_sparse_attention", (
-        KeyStream(4.0 * 64 * 128, 2.0 * 4 * 128, topk=16 * 128, tp_shards=4),
-        KeyStream(2.0 * 4 * 128, 128.0)))
+        KeyStream(4.0 * 64 * 128, 2.0 * 4 * 128 * width, topk=16 * 128, tp_shards=4),
+        KeyStream(2.0 * 4 * 128, 128.0 * width)))
     return ModelShape(
-        name="minimax-m3", hidden=6144, vocab=200_064, mixers=((gqa(64, 4, 128, 1.0), 3), (sparse, 57)),
+        name="minimax-m3", hidden=6144, vocab=200_064, mixers=((gqa(64, 4, 128, width), 3), (sparse, 57)),
         dense_params=dense_params, dense_bytes_per_param=1.0,
         lm_head_params=200_064 * 6144, lm_head_bytes_per_param=2.0, embedding_params=200_064 * 6144,
         moe=MoEShape(layers=57, experts=128, top_k=4, params_per_expert=expert, bytes_per_param=DTYPE_BYTES["nvfp4"]),
-        page_tokens=128, max_context=524_288,
+        page_tokens=128, max_context=524_288, kv_dtype=kv_dtype,
         source="ARCHITECTURES.md s.0/4/6 (426.2B total, 26.0B active); the NVFP4 variant's routed experts, "
                "FP8 attention/shared/dense weights, BF16 LM head (BF16 weights, 852 GB, do not fit 2 B300; "
                "MXFP8, 426 GB, leave KV for ~5 sessions of 140K); fp8 KV + fp8 index")
@@ -299,10 +340,23 @@ def shape_from_model_config(cfg, page_tokens: int = 16) -> ModelShape:
         activation_bytes=width, source=f"derived from the ModelConfig of {cfg.name}")
 
 
-def get_shape(name: str) -> ModelShape:
-    """A full-size shape by name, or `preset:NAME` / a model spec through its ModelConfig."""
+def get_shape(name: str, kv_dtype: str | None = None) -> ModelShape:
+    """A full-size shape by name, or `preset:NAME` / a model spec through its ModelConfig. A full-size
+    shape's KV is what the engine stores today (the preset's dtype, bfloat16), its capacity from the
+    engine's layout (`engine_kv_terms`); `kv_dtype="fp8"`: ARCHITECTURES.md's plans (fp8 KV, fp8_ds_mla),
+    which the engine cannot run yet, capacity from the key streams."""
     if name in FULL_SIZE_SHAPES:
-        return FULL_SIZE_SHAPES[name]()
+        if kv_dtype == "fp8":
+            return FULL_SIZE_SHAPES[name]()
+        import dataclasses
+
+        from agentjax.models.presets import preset_config
+
+        cfg = preset_config(name, abstract=True)
+        if cfg.compressed_attention is not None:
+            cfg = cfg.replace(compressed_attention=dataclasses.replace(cfg.compressed_attention,
+                                                                       kv_format="model_dtype"))
+        return dataclasses.replace(FULL_SIZE_SHAPES[name](kv_dtype=cfg.dtype), kv_terms=engine_kv_terms(cfg))
     if name.startswith("preset:"):
         from agentjax.models.presets import preset_config
 

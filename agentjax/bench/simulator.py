@@ -33,6 +33,7 @@ from agentjax.bench.traces import Session
 from agentjax.config import EngineConfig
 from agentjax.engine import Engine
 from agentjax.errors import InvalidRequestError, OutOfPagesError
+from agentjax.engine_kv import engine_kv_layout
 from agentjax.kv import KVCacheManager
 from agentjax.kv.policy_order import engine_eviction_order
 
@@ -196,13 +197,15 @@ def build_instance(target: SimTarget, clock: VirtualClock, keep_log: bool = Fals
     for rank in range(target.layout.dp):
         offload = None
         if target.model_config is not None:
-            pages = cfg.num_kv_blocks or (kv_tokens // cfg.block_size if kv_tokens else
-                                          # as Engine._pages_for_memory sizes the real pool
-                                          max(16, int(cfg.kv_cache_memory_gb * 2**30)
-                                              // target.model_config.kv_bytes_per_page(cfg.block_size)))
-            kv = KVCacheManager.from_model_config(target.model_config, pages, cfg.block_size,
-                                                  enable_caching=cfg.enable_prefix_caching, clock=clock,
-                                                  eviction_order=engine_eviction_order(cfg.kv_policy, clock))
+            order = engine_eviction_order(cfg.kv_policy, clock)
+            if kv_tokens and not cfg.num_kv_blocks:
+                kv = KVCacheManager.from_model_config(target.model_config, kv_tokens // cfg.block_size, cfg.block_size,
+                                                      enable_caching=cfg.enable_prefix_caching, clock=clock,
+                                                      eviction_order=order)
+            else:  # the KV memory the real engine lays out for these settings
+                kv = KVCacheManager.from_layout(engine_kv_layout(target.model_config, cfg),
+                                                enable_caching=cfg.enable_prefix_caching, clock=clock,
+                                                eviction_order=order)
             info = target.model_config
         else:
             pages = min(max(2, kv_tokens // cfg.block_size + 1), MAX_SIMULATED_PAGES)

@@ -109,10 +109,21 @@ def options_from_args(args: argparse.Namespace, shape, device):
     return speculation, offload
 
 
+def kv_assumption(shape) -> str:
+    """What a projection assumes of the KV cache: its dtype, and whose accounting its capacity is."""
+    dtype = shape.kv_dtype or "the model's dtype"
+    if shape.kv_terms:
+        return (f"KV cache: {dtype}, as the engine stores it today; capacity from the engine's KV memory layout "
+                "(agentjax/kv/layout.py: pages of each page group with their slab padding)")
+    return f"KV cache: {dtype} (capacity from the model shape's key streams; not the format the engine runs today)" \
+        if shape.kv_dtype == "fp8" else f"KV cache: {dtype}; capacity from the model shape's key streams"
+
+
 def assumptions(shape, device, engine, agentx, padded: bool = True, speculation=None, offload=None,
                 router: str = "sticky") -> list[str]:
     return [
         f"model: {shape.source}",
+        kv_assumption(shape),
         f"device {device.name}: peaks from public spec sheets (agentjax/bench/gpus.py); efficiency "
         f"{device.efficiency.source}: compute {device.efficiency.compute}, memory {device.efficiency.memory}, "
         f"network {device.efficiency.network}, {device.efficiency.step_overhead_s * 1e3:g} ms per step",

@@ -6,6 +6,7 @@ from agentjax.kv.block_pool import NULL_PAGE, BlockPool
 from agentjax.kv.eviction import EvictionOrder, LRUEvictionOrder, PinnedEvictionOrder
 from agentjax.kv.events import BlockRemoved, BlockStored, KVEvent
 from agentjax.kv.hashing import block_hashes, hash_block_tokens, root_hash
+from agentjax.kv.layout import KVMemoryLayout, build_layout
 from agentjax.kv.manager import KVCacheManager
 from agentjax.kv.policies import BeladyPolicy, HintAwarePolicy, LRUPolicy, MarconiPolicy, make_policy
 from agentjax.kv.policy import KVPolicy, PagePolicy, TurnEnd
@@ -16,7 +17,8 @@ from agentjax.kv.specs import (CompressedLatentSpec, FullAttentionSpec, IndexerK
 
 __all__ = [
     "NULL_PAGE", "BlockPool", "EvictionOrder", "LRUEvictionOrder", "PinnedEvictionOrder", "BlockRemoved", "BlockStored", "KVEvent",
-    "block_hashes", "hash_block_tokens", "root_hash", "KVCacheManager", "CompressedLatentSpec",
+    "block_hashes", "hash_block_tokens", "root_hash", "KVCacheManager", "KVMemoryLayout", "build_layout",
+    "CompressedLatentSpec",
     "FullAttentionSpec", "IndexerKeySpec", "KVGroup", "KVGroupPlan", "KVSpec", "MLALatentSpec",
     "RecurrentStateSpec", "RollingStateSpec", "SlidingWindowSpec", "plan_groups",
     "KVPolicy", "PagePolicy", "PolicyEvictionOrder", "TurnEnd", "LRUPolicy", "HintAwarePolicy", "MarconiPolicy",

@@ -27,6 +27,8 @@ class BlockPool:
     thus part of the lookup key. Events (`BlockStored`, `BlockRemoved`) are recorded when enabled.
     """
 
+    num_groups_share_ids = True  # any page id serves any group (a SlabPool's ids belong to one group)
+
     def __init__(self, num_pages: int, num_groups: int = 1, eviction_order: EvictionOrder | None = None,
                  enable_events: bool = False):
         if num_pages < 2:
@@ -64,6 +66,47 @@ class BlockPool:
         """How many of `pages` are free (hits on them take them out of the free count)."""
         return int(np.count_nonzero(self.ref_counts[pages] == 0)) if len(pages) else 0
 
+    # -- capacity in units (one page here; a "pool" layout's SlabPool weighs pages by size) --------
+    def free_units(self) -> int:
+        return self.num_free
+
+    def capacity_units(self) -> int:
+        return self.num_pages - 1
+
+    def page_units(self, pages, by_group: bool = False) -> int:
+        """Units of `pages` (with `by_group`: of one page of each group listed)."""
+        return len(pages)
+
+    def count_units(self, count: int) -> int:
+        """At most how many units `count` pages of unknown groups weigh."""
+        return count
+
+    def free_units_among(self, pages: np.ndarray) -> int:
+        return self.count_free_among(pages)
+
+    def can_take(self, demands: dict[int, int], touched: np.ndarray | None = None) -> bool:
+        """Whether `demands[group]` free pages can be taken for every group at once, after the free
+        pages among `touched` (a hit's cached pages) were taken."""
+        extra = self.count_free_among(np.asarray(touched, dtype=np.int64)) if touched is not None else 0
+        return sum(demands.values()) + extra <= self.num_free
+
+    def take(self, counts: list[int], evicted: list | None = None, moves: list | None = None
+             ) -> tuple[list[list[int]], list[np.ndarray], list[np.ndarray]]:
+        """`counts[g]` new pages for each group g: (pages per group, the arrays taken and the free-order
+        positions they held, for an undo record). Here one allocation serves every group."""
+        total = sum(counts)
+        pages = self.allocate(total, evicted)
+        positions = self.eviction_order.victim_positions() if total else None
+        flat, out, start = pages.tolist(), [], 0
+        for count in counts:
+            out.append(flat[start:start + count])
+            start += count
+        return out, ([pages] if total else []), ([positions] if total else [])
+
+    def allocate_pages(self, groups) -> np.ndarray:
+        """One page for each entry of `groups` (a load's transfers), in that order."""
+        return self.allocate(len(groups))
+
     # -- mutations -----------------------------------------------------------------------------
     def touch(self, pages: np.ndarray) -> None:
         """Take a reference on each of the distinct cached `pages` (a prefix hit)."""
@@ -74,9 +117,11 @@ class BlockPool:
         self.num_free -= int(np.count_nonzero(refs == 0))
         self.ref_counts[pages] = refs + 1
 
-    def allocate(self, count: int, evicted: list | None = None) -> np.ndarray:
+    def allocate(self, count: int, evicted: list | None = None, group: int | None = None,
+                 moves: list | None = None) -> np.ndarray:
         """Take `count` free pages (reference count 1), evicting their cached hashes; with `evicted`,
-        append one batch (pages, hashes, groups, parents, tokens) of what was evicted (an undo record)."""
+        append one batch (pages, hashes, groups, parents, tokens) of what was evicted (an undo record).
+        Every page id serves every group here, so `group` and `moves` (SlabPool's) are not needed."""
         self.version += 1
         if count > self.num_free:
             raise OutOfPagesError(f"need {count} free KV pages, only {self.num_free} free")
@@ -217,6 +262,11 @@ class BlockPool:
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
         return events
+
+    def map_held(self) -> np.ndarray:
+        """References per page that no request holds (a SlabPool's slab map holds the ids of slabs their
+        group does not own)."""
+        return np.zeros(self.num_pages, dtype=np.int64)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the counters disagree with the arrays (tests call this)."""

@@ -63,6 +63,25 @@ def checkpoint_tokens(block_size: int, requested: int | None = None) -> int:
     return -(-tokens // block_size) * block_size
 
 
+def cost_aware_checkpoint_tokens(cfg, block_size: int) -> int:
+    """The default interval between saved recurrent states of `cfg`: the fewest tokens (a whole number of
+    pages, at least DEFAULT_CHECKPOINT_TOKENS) whose prefix KV (attention K/V, MLA latents, compressed
+    entries) weighs at least one state of every recurrent layer.
+
+    An interval state and the prefix pages of its interval save the same prefill on a hit that lands in
+    the interval (without either, the hit stops at the interval before), so at this interval a state
+    saves at least as many FLOPs per byte as the pages beside it, and interval states never hold more
+    than the attention KV of the prefixes they checkpoint. Kimi-K3 at full size (465 MB of state, 27 KB
+    of bfloat16 latent per token): about 16.8K tokens; tiny presets: about 100."""
+    tensors = kv_tensors(cfg)
+    state = sum(t.spec.state_bytes for t in tensors if t.spec.hit_rule == "checkpoint")
+    sample = 1024 * block_size  # whole entries of every compressed kind
+    per_token = sum(t.spec.bytes_for_tokens(sample) for t in tensors if t.spec.hit_rule == "prefix") / sample
+    if not state or not per_token:
+        return checkpoint_tokens(block_size)
+    return checkpoint_tokens(block_size, max(DEFAULT_CHECKPOINT_TOKENS, math.ceil(state / per_token)))
+
+
 def _dtype_bytes(cfg) -> int:
     if cfg.dtype not in _DTYPE_BYTES:
         raise InvalidRequestError(f"unsupported KV dtype {cfg.dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
@@ -176,19 +195,31 @@ def kv_buffer_specs(cfg, page_size: int) -> list[KVBufferSpec]:
     tensors = kv_tensors(cfg)
     buffers = []
     for group_id, (spec, members) in enumerate(group_layers([t.spec for t in tensors])):
-        role = tensors[members[0]].role
-        if role == "kv":
-            shape, dtype = (page_size, 2 * cfg.num_kv_heads, cfg.head_dim), cfg.dtype
-        elif role == "index":
-            shape, dtype = (page_size, cfg.block_sparse.index_head_dim), cfg.dtype
-        elif role == "latent":
-            shape, dtype = (page_size, cfg.mla.latent_width), cfg.dtype
-        elif role in COMPRESSED_ATTENTION_ROLES:
-            shape, dtype = _compressed_attention_page(cfg, role, spec, page_size)
-        else:  # a recurrent state, kept in float32 as the reference keeps it
-            shape, dtype = (cfg.kda.state_size,), "float32"
+        shape, dtype = kind_cell(cfg, tensors[members[0]].role, spec, page_size)
         buffers.append(KVBufferSpec(group_id, spec.kind, len(members), shape, dtype))
     return buffers
+
+
+def kind_cell(cfg, role: str, spec: KVSpec, page_tokens: int) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype of one layer's share of one page of `page_tokens` tokens (a "cell") of the kind
+    whose tensors have `role` and `spec`: K then V heads per token, indexer keys or MLA latent rows per
+    token, DeepSeek-V4's rows and entries, or one float32 recurrent state."""
+    if role == "kv":
+        return (page_tokens, 2 * cfg.num_kv_heads, cfg.head_dim), cfg.dtype
+    if role == "index":
+        return (page_tokens, cfg.block_sparse.index_head_dim), cfg.dtype
+    if role == "latent":
+        return (page_tokens, cfg.mla.latent_width), cfg.dtype
+    if role in COMPRESSED_ATTENTION_ROLES:
+        return _compressed_attention_page(cfg, role, spec, page_tokens)
+    return (cfg.kda.state_size,), "float32"  # a recurrent state, kept in float32 as the reference keeps it
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one value of a KV dtype name."""
+    if dtype not in _DTYPE_BYTES:
+        raise InvalidRequestError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[dtype]
 
 
 def _compressed_attention_page(cfg, role: str, spec: KVSpec, page_size: int) -> tuple[tuple[int, ...], str]:

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from agentjax.errors import InvalidRequestError, OutOfPagesError
+from agentjax.kv.eviction_groups import fresh_stamps, pop_in_range
 
 NULL_PAGE = 0  # the pool's reserved page: never free, never evicted
 
@@ -97,7 +98,10 @@ class LRUEvictionOrder:
         self._queue_stamps[self._tail:self._tail + count] = stamps
         self._tail += count
 
-    def pop_victims(self, count: int) -> np.ndarray:
+    def pop_victims(self, count: int, allowed: tuple[int, int] | None = None,
+                    page_group: np.ndarray | None = None) -> np.ndarray:
+        if allowed is not None:
+            return pop_in_range(self, count, *allowed, page_group)
         taken: list[np.ndarray] = []
         need = count
         while need > 0 and self._head < self._tail:
@@ -121,6 +125,9 @@ class LRUEvictionOrder:
         # Their entries are spent (reference count 1); the stamps stay so that an undo can put them back.
         self._last_victims = victims
         return victims
+
+    def push_fresh(self, pages: np.ndarray) -> None:
+        self.reinstate(pages, fresh_stamps(self, len(pages)))
 
     def positions(self, pages: np.ndarray) -> np.ndarray:
         return self._page_stamp[pages]
@@ -324,7 +331,10 @@ class PinnedEvictionOrder(LRUEvictionOrder):
             self._in_tier[pages] = False
         super().push_free(pages)
 
-    def pop_victims(self, count: int) -> np.ndarray:
+    def pop_victims(self, count: int, allowed: tuple[int, int] | None = None,
+                    page_group: np.ndarray | None = None) -> np.ndarray:
+        if allowed is not None:
+            return pop_in_range(self, count, *allowed, page_group)
         self._last_from_tier = None
         if self._pins:
             self._expire(self.clock())
@@ -386,6 +396,24 @@ class PinnedEvictionOrder(LRUEvictionOrder):
                    and self._ref_counts[p] == 0 and self._page_stamp[p] == s]
         both = sorted(in_tier + [(float(self._pin_expiry[p]), int(self._page_stamp[p]), p) for p in pinned])
         return np.concatenate([unpinned, np.asarray([p for _, _, p in both], dtype=np.int32)])
+
+    def push_fresh(self, pages: np.ndarray) -> None:
+        pages = np.asarray(pages, dtype=np.int32)
+        self.reinstate(pages, _pairs(fresh_stamps(self, len(pages)), self._generation[pages]))
+
+    def pinned_mask(self, pages: np.ndarray) -> np.ndarray:
+        """Which of `pages` (any shape) a live pin protects."""
+        self._expire(self.clock())
+        return self._pin_count[pages] > 0
+
+    def on_reclaimed(self, pages: np.ndarray) -> None:
+        """Free pages whose slab went to another group: their content, and so their pins, are gone."""
+        pinned = pages[self._pin_count[pages] > 0]
+        if len(pinned):
+            self._generation[pinned] += 1
+            self._pin_count[pinned] = 0
+            self._pin_expiry[pinned] = 0.0
+            self.pinned_evictions += len(pinned)
 
     # -- undo ------------------------------------------------------------------------------------
     def positions(self, pages: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ class GroupTable:
     pages: list[int] = field(default_factory=list)
     num_cached_pages: int = 0  # leading pages already offered to the cache
     last_checkpoint: int = 0  # checkpoint groups: tokens at the latest saved state
+    save_points: list[int] = field(default_factory=list)  # checkpoint groups: tokens saved in pages[1:]
 
 
 class GroupManager:

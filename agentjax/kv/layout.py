@@ -1,137 +1,220 @@
-"""The packed device layout of the KV pool: one byte view per group over one pool of equal pages.
+"""The KV memory layout: which page groups the manager tracks, where their pages live in device memory,
+and what each costs in bytes. It is the one source of truth for the device allocation, the engine's
+sizing from `kv_cache_memory_gb`, the KV metrics, the offload tiers' page bytes and the planner's capacity.
 
-Page ids are shared by all groups, so the device holds one `[num_pages, page_bytes]` uint8 pool and
-each group reads it through its own buffer view, in which layer l's slice of a page starts at a
-fixed byte offset (not one buffer per layer per tensor type). This module only computes offsets and
-byte counts; the runner builds arrays from them. Host only: never imports jax.
+"pool" (the engine's default, docs/design/kv_memory.md): the prefix kinds of a model are packed into
+one page group, every window and state kind is a group of its own; device memory is one array of
+slabs, each owned by one group at a time and carved into its pages. "shared": one group per kind and
+every page id spans a page of every kind (the layout of `ModelConfig.new_kv_pages`).
+Host only: never imports jax.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-from agentjax.kv.specs import (CompressedLatentSpec, FullAttentionSpec, IndexerKeySpec, KVGroupPlan, KVSpec,
-                               MLALatentSpec, RecurrentStateSpec, RollingStateSpec, SlidingWindowSpec, plan_groups)
+from agentjax.kv.cache_layout import dtype_bytes
+from agentjax.kv.specs import KVGroup, KVGroupPlan, KVSpec, plan_groups
 
-
-@dataclass(frozen=True)
-class LayerView:
-    """Layer `layer`'s bytes inside a page of its group: [byte_offset, byte_offset + num_bytes)."""
-
-    layer: int
-    byte_offset: int
-    num_bytes: int
-
-
-@dataclass(frozen=True)
-class GroupBuffer:
-    group_id: int
-    kind: str
-    tokens_per_page: int
-    views: tuple[LayerView, ...]
-    used_bytes: int  # end of the last view
-    padding_bytes: int  # page_bytes - used_bytes
+LAYOUT_MODES = ("pool", "shared")
+# A slab may grow past the smallest size that fits every group page while the pool keeps this many slabs.
+MIN_SLABS = 64
+# Requests are assumed this long when padding is weighed across groups (the choice of the slab size).
+REFERENCE_CONTEXT = 32_768
+# Cells and flat rows are addressed with int32 on the device.
+INT32_LIMIT = 2**31 - 1
 
 
 @dataclass(frozen=True)
-class PackedLayout:
-    page_bytes: int
-    num_pages: int
-    buffers: tuple[GroupBuffer, ...]
+class KindLayout:
+    """One KV kind (layers of equal spec) in the layout. Sizes are in pool words (values of the pool's
+    dtype); a cell is one layer's share of one page."""
+
+    kind: int
+    group: int
+    role: str
+    spec: KVSpec
+    owner: int
+    layers: tuple[int, ...]  # the model layer of each slot (MTP layers after the main ones)
+    cell_shape: tuple[int, ...] | None  # in `dtype` values; None: sized only (no device format yet)
+    dtype: str
+    cell_words: int
+    plane_offset: int = 0  # "pool": words from a slab's start to this kind's plane
+    cells_per_slab: int = 0  # "pool": slab words // cell words
 
     @property
-    def pool_shape(self) -> tuple[int, int]:
-        return (self.num_pages, self.page_bytes)
+    def slots(self) -> int:
+        return len(self.layers)
+
+    @property
+    def words_per_value(self) -> int:
+        """Pool words per value: 1, or 2 for a float32 kind in a 16-bit pool (bit-exact pairs)."""
+        return max(1, self.cell_words // math.prod(self.cell_shape)) if self.cell_shape else 1
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One page group: its kinds, tokens per page, page size, pages per slab and page-id range."""
+
+    group: int
+    kinds: tuple[int, ...]
+    hit_spec: KVSpec
+    owner: int
+    tokens_per_page: int
+    page_words: int
+    pages_per_slab: int
+    id_base: int
+    num_ids: int
+
+    @property
+    def hit_rule(self) -> str:
+        return self.hit_spec.hit_rule
+
+
+@dataclass(frozen=True)
+class KVMemoryLayout:
+    """Page groups, kinds and slab geometry of one engine's KV memory (see the module docstring)."""
+
+    mode: str
+    dtype: str  # the pool's word
+    block_size: int  # tokens per hash block
+    num_slabs: int  # "shared": pages
+    slab_words: int  # "shared": words behind one page id
+    kinds: tuple[KindLayout, ...]
+    groups: tuple[GroupLayout, ...]
+    tensor_kinds: tuple[int, ...] = field(default=(), repr=False)  # kind of every tensor, in tensor order
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    @property
+    def word_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.slab_words * self.word_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
-
-
-def _align(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
-
-
-def _layer_page_bytes(spec: KVSpec, tokens_per_page: int) -> int:
-    return spec.state_bytes if spec.hit_rule == "checkpoint" else spec.bytes_for_tokens(tokens_per_page)
-
-
-def packed_layout(plan: KVGroupPlan, num_pages: int, view_alignment: int = 64) -> PackedLayout:
-    """Offsets of every layer's view in its group's page; views start on `view_alignment` bytes."""
-    buffers, page_bytes = [], plan.page_bytes
-    for group in plan.groups:
-        offset, views = 0, []
-        for layer in group.layer_indices:
-            size = _layer_page_bytes(group.spec, group.tokens_per_page)
-            offset = _align(offset, view_alignment)
-            views.append(LayerView(layer, offset, size))
-            offset += size
-        buffers.append((group, tuple(views), offset))
-        page_bytes = max(page_bytes, offset)
-    return PackedLayout(page_bytes, num_pages, tuple(
-        GroupBuffer(g.group_id, g.spec.kind, g.tokens_per_page, views, used, page_bytes - used)
-        for g, views, used in buffers))
-
-
-@dataclass(frozen=True)
-class PaddingReport:
-    """Bytes per page id of the whole model: payload, and what each layout spends on it."""
-
-    preset: str
-    payload_bytes: int
-    packed_bytes: int
-    per_tensor_bytes: int
+        return self.num_slabs * self.slab_bytes
 
     @property
-    def saving(self) -> float:
-        """The share of the per-tensor layout's bytes that packing saves."""
-        return 1 - self.packed_bytes / self.per_tensor_bytes
+    def num_ids(self) -> int:
+        """Page ids of the manager's pool (page 0 is the null page)."""
+        return self.num_slabs if self.mode == "shared" else sum(g.num_ids for g in self.groups)
+
+    def page_bytes(self, group: int) -> int:
+        return self.groups[group].page_words * self.word_bytes
+
+    @property
+    def units_per_slab(self) -> int:
+        """Capacity unit: a page of the group with the most pages per slab (see `units_per_page`)."""
+        return math.lcm(*(g.pages_per_slab for g in self.groups))
+
+    def units_per_page(self, group: int) -> int:
+        return self.units_per_slab // self.groups[group].pages_per_slab
+
+    def tokens_per_page(self) -> tuple[int, ...]:
+        return tuple(g.tokens_per_page for g in self.groups)
+
+    def state_groups(self) -> tuple[int, ...]:
+        """Groups whose batch table is a request's running state page (and its draft states)."""
+        return tuple(g.group for g in self.groups if g.hit_rule == "checkpoint")
+
+    def state_interval(self) -> int:
+        """Tokens between saved recurrent states (0: the model keeps none)."""
+        return min((g.tokens_per_page for g in self.groups if g.hit_rule == "checkpoint"), default=0)
+
+    def group_of_kind(self, kind: int) -> int:
+        return self.kinds[kind].group
+
+    def with_slabs(self, num_slabs: int) -> "KVMemoryLayout":
+        """The same geometry over `num_slabs` slabs (the id ranges follow)."""
+        from agentjax.kv.layout_build import with_slabs
+
+        return with_slabs(self, num_slabs)
+
+    # -- the manager's plan ----------------------------------------------------------------------------
+    def manager_plan(self) -> KVGroupPlan:
+        """The KV manager's groups ("shared": `plan_groups` of every tensor's spec, as before this layout)."""
+        if self.mode == "shared":
+            return plan_groups([self.kinds[kind].spec for kind in self.tensor_kinds], self.block_size,
+                               scale_tokens_per_page=False)
+        groups = []
+        for g in self.groups:
+            tensors = tuple(i for i, kind in enumerate(self.tensor_kinds) if kind in g.kinds)
+            groups.append(KVGroup(g.group, g.hit_spec, tensors, g.tokens_per_page, g.page_words * self.word_bytes))
+        return KVGroupPlan(tuple(groups), max(g.page_words for g in self.groups) * self.word_bytes, self.block_size)
+
+    # -- accounting --------------------------------------------------------------------------------------
+    def pages_per_request(self, context: int, chunk: int = 0) -> tuple[int, ...]:
+        """Pages each group holds for one request of `context` tokens between steps (window groups: the
+        pages under the window, plus a chunk's while it prefills; state groups: the running state)."""
+        pages = []
+        for g in self.groups:
+            size = g.tokens_per_page
+            if g.hit_rule == "checkpoint":
+                pages.append(1)
+            elif g.hit_rule == "window":
+                window = g.hit_spec.window
+                pages.append(min(-(-context // size), -(-(window + chunk) // size) + 1))
+            else:
+                pages.append(-(-context // size))
+        return tuple(pages)
+
+    def bytes_per_request(self, context: int, chunk: int = 0) -> float:
+        """Device bytes one request of `context` tokens costs: its pages, each with its share of the
+        slab padding of its group ("shared": every page id costs every group's page)."""
+        pages = self.pages_per_request(context, chunk)
+        if self.mode == "shared":
+            return sum(pages) * self.slab_bytes
+        return sum(n * self.slab_bytes / g.pages_per_slab for n, g in zip(pages, self.groups))
+
+    def ideal_bytes_per_request(self, context: int) -> float:
+        """What the model must store for one request of `context` tokens: every kind's bytes, windows
+        limited to their window, one state per state kind; no page rounding and no padding."""
+        total = 0
+        for k in self.kinds:
+            spec = k.spec
+            if spec.hit_rule == "checkpoint":
+                total += k.slots * spec.state_bytes
+            else:
+                total += k.slots * spec.bytes_for_tokens(context if spec.window is None else min(context, spec.window))
+        return float(total)
+
+    def tokens_per_gb(self, context: int) -> float:
+        """Tokens of requests of `context` tokens one GiB of this layout holds."""
+        return context * 2**30 / self.bytes_per_request(context)
+
+    def ideal_tokens_per_gb(self, context: int) -> float:
+        return context * 2**30 / self.ideal_bytes_per_request(context)
+
+    def group_names(self) -> tuple[str, ...]:
+        """A label per group: its kinds' roles (`kv+index`, `latent`, `window`, ...), with the owner for
+        a draft model's."""
+        names = []
+        for g in self.groups:
+            roles = "+".join(dict.fromkeys(self.kinds[k].role for k in g.kinds))
+            names.append(f"{roles}@draft" if g.owner else roles)
+        seen: dict[str, int] = {}
+        unique = []
+        for name in names:  # DeepSeek-V4 has several kinds of one role (its compressors' inputs)
+            seen[name] = seen.get(name, 0) + 1
+            unique.append(name if names.count(name) == 1 else f"{name}.{seen[name] - 1}")
+        return tuple(unique)
 
 
-def padding_report(preset: str, plan: KVGroupPlan, tensor_alignment: int = 1, view_alignment: int = 64) -> PaddingReport:
-    """Per-tensor layout: every layer's tensor is its own buffer whose page is padded to
-    `tensor_alignment` and then to the largest such page of the model, because one page id indexes
-    every buffer. Packed: each group's page holds its layers back to back, padded once to the
-    pool's page size. Both are counted for one page id of every group."""
-    layer_pages = [(g, _layer_page_bytes(g.spec, g.tokens_per_page)) for g in plan.groups]
-    payload = sum(g.num_layers * size for g, size in layer_pages)
-    largest = max(_align(size, tensor_alignment) for _, size in layer_pages)
-    per_tensor = sum(g.num_layers * largest for g, _ in layer_pages)
-    packed = packed_layout(plan, 1, view_alignment)
-    return PaddingReport(preset, payload, packed.page_bytes * len(plan.groups), per_tensor)
+def build_layout(cfg, block_size: int, **options) -> KVMemoryLayout:
+    """The layout of `cfg` with `block_size`-token hash blocks (agentjax/kv/layout_build.py): sized by
+    `memory_bytes=` or `num_pages=` (the bytes of that many "shared" page ids), `mode=` "pool" or
+    "shared", with a speculative-decoding `draft_cfg=` and a recurrent `checkpoint_interval=`."""
+    from agentjax.kv.layout_build import build_layout as build
+
+    return build(cfg, block_size, **options)
 
 
-def preset_layer_specs() -> dict[str, list[KVSpec]]:
-    """Per-layer KV specs of the three target families (ARCHITECTURES.md), full size."""
-    swa = SlidingWindowSpec(num_kv_heads=1, head_dim=292, dtype_bytes=2, sliding_window=128)  # 584 B/token
-    c4 = CompressedLatentSpec(ratio=4, entry_bytes=584)
-    c128 = CompressedLatentSpec(ratio=128, entry_bytes=584)
-    index_c4 = IndexerKeySpec(ratio=4, entry_bytes=132)
-    csa_state = RollingStateSpec(ratio=1, entry_bytes=8192, state_window=8)
-    hca_state = RollingStateSpec(ratio=1, entry_bytes=4096, state_window=128)
-    index_state = RollingStateSpec(ratio=1, entry_bytes=2048, state_window=8)
-    dsv4: list[KVSpec] = []
-    for layer in range(61):  # layers 0-1 HCA, then CSA at even and HCA at odd layers
-        csa = layer >= 2 and layer % 2 == 0
-        dsv4 += [swa, c4, index_c4, csa_state, index_state] if csa else [swa, c128, hca_state]
-    mla = MLALatentSpec(latent_dim=512, rope_dim=64, dtype_bytes=2)
-    kda = RecurrentStateSpec(bytes_per_state=96 * 128 * 128 * 4 + 36864 * 3 * 2, checkpoint_interval=4096)
-    kimi = [mla if (i % 4 == 3 or i == 92) else kda for i in range(93)]
-    dense = FullAttentionSpec(num_kv_heads=4, head_dim=128, dtype_bytes=2, required_page_tokens=128)
-    index_m3 = IndexerKeySpec(ratio=1, entry_bytes=256, required_page_tokens=128)
-    minimax = [dense] * 3 + [dense, index_m3] * 57
-    return {"DeepSeek-V4-Pro": dsv4, "Kimi-K3": kimi, "MiniMax-M3": minimax}
+def local_layout(layout: KVMemoryLayout, local_cfg, dcp: int = 1) -> KVMemoryLayout:
+    """One device's part of a "pool" layout in a parallel layout (agentjax/kv/layout_build.py)."""
+    from agentjax.kv.layout_build import local_layout as local
 
+    return local(layout, local_cfg, dcp)
 
-def preset_padding_reports(block_size: int = 16, tensor_alignments: dict[str, int] | None = None) -> list[PaddingReport]:
-    """`padding_report` for every preset; DeepSeek-V4 tensors align to 576 bytes (fp8_ds_mla)."""
-    alignments = tensor_alignments or {"DeepSeek-V4-Pro": 576}
-    reports = []
-    for name, specs in preset_layer_specs().items():
-        size = 128 if name == "MiniMax-M3" else (256 if name == "DeepSeek-V4-Pro" else block_size)
-        reports.append(padding_report(name, plan_groups(specs, size), alignments.get(name, 1)))
-    return reports
-
-
-def layout_for_specs(layer_specs: Sequence[KVSpec], block_size: int, num_pages: int) -> PackedLayout:
-    return packed_layout(plan_groups(layer_specs, block_size), num_pages)

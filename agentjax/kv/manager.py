@@ -7,9 +7,11 @@ Host only: never imports jax, never touches device memory. The engine drives it:
     if m.can_allocate(prompt): m.allocate(req_id, prompt)   # reserve the whole prompt
     m.num_cached_tokens(req_id)                # tokens the allocation reused (compute from there)
     m.block_ids(req_id)                        # one page list per group (page 0 = null/padding)
+    m.reserve_state_saves(req_id, start, end)  # pages for the states inside the next prefill chunk
     m.take_pending_copies()                    # (group, src, dst) state-page copies to run first
     m.cache_blocks(req_id, num_computed)       # after the device wrote KV: full pages become hittable
     m.append(req_id, new_token_ids) -> bool    # decode growth; False (no change) when out of pages
+    m.end_turn(req_id, num_computed)           # keep the state the turn ended with hittable
     m.free(req_id)                             # finish or abort; cached pages stay hittable
     m.free(req_id, pin_session=sid, ttl_s=5.0) # end of a turn: keep the session's prefix for the next
     m.pin_prefix(key, fork_prompt); m.unpin(key)   # a subagent fork point, held until released
@@ -40,7 +42,6 @@ free pages are evicted after every unpinned free page, earliest expiry first; th
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -49,20 +50,27 @@ import numpy as np
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.block_pool import BlockPool
 from agentjax.kv.eviction import EvictionOrder, PinnedEvictionOrder
-from agentjax.kv.groups import CheckpointGroup, GroupManager, GroupTable, make_group_manager
+from agentjax.kv.groups import CheckpointGroup, GroupManager, make_group_manager
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32
+from agentjax.kv.manager_states import RecurrentStateMixin
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
+from agentjax.kv.slab_pool import SlabPool
 from agentjax.kv.specs import FullAttentionSpec, KVGroupPlan, KVSpec, plan_groups, specs_from_model_config
+from agentjax.kv.state_saves import cache_saves
+from agentjax.kv.turn_ends import TurnEnds, branch_point, save_branch_state, takes_turn_ends
 
-logger = logging.getLogger(__name__)
 
-
-class KVCacheManager:
+class KVCacheManager(RecurrentStateMixin):
     """Pages for many requests across KV groups; see the module docstring for the call sequence."""
 
     def __init__(self, plan: KVGroupPlan, num_blocks: int, enable_caching: bool = True,
                  cache_on_allocate: bool = True, enable_kv_events: bool = False,
-                 eviction_order: EvictionOrder | None = None, clock: Callable[[], float] | None = None):
+                 eviction_order: EvictionOrder | None = None, clock: Callable[[], float] | None = None,
+                 slabs: tuple[int, Sequence[int]] | None = None, branch_states: bool = True):
+        """`slabs` = (number of slabs, pages per slab of each group): a "pool" KV layout's pool, whose
+        groups share memory by slabs (agentjax/kv/slab_pool.py); `num_blocks` is then ignored.
+        `branch_states`: save a recurrent state where a prompt's cached prefix ends past every saved
+        state (agentjax/kv/turn_ends.py; the scheduler ends a prefill chunk there)."""
         self.plan = plan
         self.block_size = plan.hash_block_size
         self.enable_caching = enable_caching
@@ -70,12 +78,20 @@ class KVCacheManager:
         if eviction_order is None:
             eviction_order = PinnedEvictionOrder(clock or time.monotonic)
         self.clock = clock or getattr(eviction_order, "clock", time.monotonic)
-        self.pool = BlockPool(num_blocks, len(plan.groups), eviction_order, enable_kv_events)
+        if slabs is None:
+            self.pool = BlockPool(num_blocks, len(plan.groups), eviction_order, enable_kv_events)
+        else:
+            bounded = [group.spec.hit_rule != "prefix" for group in plan.groups]
+            self.pool = SlabPool(slabs[0], slabs[1], eviction_order, enable_kv_events, bounded)
+        self.layout = None  # the KVMemoryLayout this manager was built from (`from_layout`), if any
         managers = [make_group_manager(group, self.pool, self.block_size) for group in plan.groups]
         self.groups: list[GroupManager] = managers
         # Prefix groups first: full attention sets the upper bound, the others only shrink it.
         self._hit_order = sorted(self.groups, key=lambda g: g.group.spec.hit_rule != "prefix")
         self._memo = PrefixHashMemo(self.block_size)
+        # End-of-turn states and partial pages, hittable by the next turn (agentjax/kv/turn_ends.py).
+        self.turn_ends = TurnEnds(self.block_size, self.pool.num_pages) if (
+            enable_caching and takes_turn_ends(managers)) else None
         self._roots: dict[str | None, BlockHash] = {}
         self._requests: dict[str, RequestKV] = {}
         self._last_prepared: tuple | None = None
@@ -84,6 +100,12 @@ class KVCacheManager:
         self._uncommitted_with_copies: set[str] = set()
         self.queries = self.hits = self.lookups = 0
         self.rollbacks = 0
+        # Prompt tokens each group alone could serve (the hit is the least: where hits are lost), and the
+        # tokens served through a turn end's state.
+        self.group_hits = [0] * len(managers)
+        self.turn_end_hits = 0
+        self.branch_states = branch_states
+        self.branch_states_saved = 0
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -105,16 +127,29 @@ class KVCacheManager:
                           checkpoint_interval: int | None = None, draft_config=None, **options) -> "KVCacheManager":
         """Groups from an `agentjax.config.ModelConfig`. With the default `scale_tokens_per_page=False`
         every group's pages hold `block_size` tokens, so page ids index `cfg.new_kv_pages` directly.
-        Recurrent states are saved every `checkpoint_interval` tokens (default: 64, whole pages). A
-        `draft_config` (speculative decoding's draft model) adds its own groups after the model's."""
-        from agentjax.kv.cache_layout import checkpoint_tokens
+        Recurrent states are saved every `checkpoint_interval` tokens (whole pages; default: the model's
+        `cost_aware_checkpoint_tokens`, as the engine's layout). A `draft_config` (speculative decoding's
+        draft model) adds its own groups after the model's."""
+        from agentjax.kv.cache_layout import checkpoint_tokens, cost_aware_checkpoint_tokens
 
-        interval = checkpoint_tokens(block_size, checkpoint_interval)
+        interval = (checkpoint_tokens(block_size, checkpoint_interval) if checkpoint_interval
+                    else cost_aware_checkpoint_tokens(cfg, block_size))
         specs = specs_from_model_config(cfg, interval)
         if draft_config is not None:
             specs += specs_from_model_config(draft_config, interval, owner=1)
         return cls.from_specs(specs, num_blocks, block_size, enable_caching,
                               scale_tokens_per_page, cache_on_allocate=cache_on_allocate, **options)
+
+    @classmethod
+    def from_layout(cls, layout, enable_caching: bool = True, cache_on_allocate: bool = False,
+                    **options) -> "KVCacheManager":
+        """The manager of a `agentjax.kv.layout.KVMemoryLayout`: its page groups, over a slab pool
+        ("pool") or one page-id space of `layout.num_slabs` pages ("shared")."""
+        slabs = None if layout.mode == "shared" else (layout.num_slabs, [g.pages_per_slab for g in layout.groups])
+        manager = cls(layout.manager_plan(), layout.num_slabs, enable_caching=enable_caching,
+                      cache_on_allocate=cache_on_allocate, slabs=slabs, **options)
+        manager.layout = layout
+        return manager
 
     # -- prefix lookup ---------------------------------------------------------------------------
     def _root(self, cache_salt: str | None) -> BlockHash:
@@ -137,14 +172,14 @@ class KVCacheManager:
                 prepared = last[4]
             else:
                 tokens, hashes = last[4][:2]
-                prepared = (tokens, hashes, *self._find_hit_or_none(hashes, len(tokens)))
+                prepared = (tokens, hashes, *self._hit(tokens, hashes, cache_salt))
             self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
             return prepared
         tokens = tokens_as_uint32(token_ids)
         if len(tokens) == 0:
             raise InvalidRequestError("token_ids is empty; a request needs at least one token")
         hashes = self._memo.hashes(tokens, self._root(cache_salt)) if self.enable_caching else []
-        prepared = (tokens, hashes, *self._find_hit_or_none(hashes, len(tokens)))
+        prepared = (tokens, hashes, *self._hit(tokens, hashes, cache_salt))
         self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
         return prepared
 
@@ -191,17 +226,19 @@ class KVCacheManager:
             return num_tokens
         return min(num_tokens, num_reserved_tokens)
 
-    def _new_pages(self, reuse: list, num_tokens: int, num_reserved_tokens: int | None = None) -> int:
-        """Pages an admission takes from the free set beyond the hit's (`reuse`) in every group."""
-        return sum(g.num_new_pages(start, len(pages), self._reserved_tokens(g, num_tokens, num_reserved_tokens))
-                   for g, (pages, start) in zip(self.groups, reuse))
+    def _new_pages(self, reuse: list, num_tokens: int, num_reserved_tokens: int | None = None) -> list[int]:
+        """Pages an admission takes from the free set beyond the hit's (`reuse`), per group."""
+        return [g.num_new_pages(start, len(pages), self._reserved_tokens(g, num_tokens, num_reserved_tokens))
+                for g, (pages, start) in zip(self.groups, reuse)]
 
     def can_allocate(self, token_ids: Sequence[int], cache_salt: str | None = None,
                      num_reserved_tokens: int | None = None) -> bool:
         """Whether `allocate` would succeed now (no side effects)."""
         _, _, _, reuse = self._prepare(token_ids, cache_salt)
         new = self._new_pages(reuse, len(token_ids), num_reserved_tokens)
-        return new + self.pool.count_free_among(_flat_pages(reuse)) <= self.pool.num_free
+        if self.pool.num_groups_share_ids:
+            return sum(new) + self.pool.count_free_among(_flat_pages(reuse)) <= self.pool.num_free
+        return self.pool.can_take(dict(enumerate(new)), touched=_flat_pages(reuse))
 
     # -- request lifecycle -----------------------------------------------------------------------
     def allocate(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
@@ -219,20 +256,20 @@ class KVCacheManager:
         reused = _flat_pages(reuse)
         was_free = reused[pool.ref_counts[reused] == 0] if len(reused) else reused  # a hit takes them out
         new = self._new_pages(reuse, len(tokens), num_reserved_tokens)
-        if new + len(was_free) > pool.num_free:
+        if pool.num_groups_share_ids:
+            if sum(new) + len(was_free) > pool.num_free:
+                return False
+        elif not pool.can_take(dict(enumerate(new)), touched=was_free):
             return False
         order = pool.eviction_order
         undo = AdmissionUndo(was_free, order.positions(was_free), num_tokens=len(tokens), num_hit=hit)
         pool.touch(reused)
-        taken_pages = pool.allocate(new, undo.evicted)
-        if new:
-            undo.new_pages.append(taken_pages)
-            undo.new_positions.append(order.victim_positions())
-        new_pages = taken_pages.tolist()
-        tables, taken = [], 0
-        for group, (pages, start) in zip(self.groups, reuse):
-            count = group.num_new_pages(start, len(pages), self._reserved_tokens(group, len(tokens),
-                                                                                  num_reserved_tokens))
+        group_pages, taken_arrays, positions = pool.take(new, undo.evicted, undo.slab_moves)
+        undo.new_pages += taken_arrays
+        undo.new_positions += positions
+        tables = []
+        for group, (pages, start), count, new_pages in zip(self.groups, reuse, new, group_pages):
+            taken = 0
             if isinstance(group, CheckpointGroup):
                 if pages:  # restore the checkpoint into the running page, then let the source go
                     copy = (group.group_id, pages[0], new_pages[taken])
@@ -241,16 +278,26 @@ class KVCacheManager:
                     undo.copies.append(copy)
                     undo.copy_sources.append(pages[0])
                     self._uncommitted_with_copies.add(req_id)
-                table = group.build_table(start, [], new_pages[taken:taken + count])
+                table = group.build_table(start, [], new_pages)
                 table.last_checkpoint = hit // group.tokens_per_page * group.tokens_per_page if pages else 0
             else:
-                table = group.build_table(start, pages, new_pages[taken:taken + count])
+                table = group.build_table(start, pages, new_pages)
             tables.append(table)
-            taken += count
+        for group_id, source in getattr(reuse, "tails", ()):  # a turn end's partial page: a copy of its own
+            copy = (group_id, source, tables[group_id].pages[len(reuse[group_id][0])])
+            self._pending_copies.append(copy)
+            self._pending_copy_sources.append(source)
+            undo.copies.append(copy)
+            undo.copy_sources.append(source)
+            self._uncommitted_with_copies.add(req_id)
         request = RequestKV(req_id, TokenBuffer(tokens), self._root(cache_salt), list(hashes), tables, hit, undo=undo)
         self._requests[req_id] = request
         self.queries += len(tokens)
         self.hits += hit
+        undo.group_hits = self._count_group_hits(hashes, len(tokens), hit)
+        request.branch_point = branch_point(self, undo.group_hits, hit)
+        undo.turn_end_hit = hit if getattr(reuse, "tails", None) is not None else 0
+        self.turn_end_hits += undo.turn_end_hit
         if self.cache_on_allocate:
             self._cache_blocks(request, len(tokens))
         return True
@@ -261,16 +308,11 @@ class KVCacheManager:
         new_tokens = tokens_as_uint32(new_token_ids)
         total = request.tokens.size + len(new_tokens)
         growth = [g.grow(t, total) for g, t in zip(self.groups, request.tables)]
-        if sum(growth) > self.pool.num_free:
+        if not self._can_grow(growth):
             return False
         request.undo = None  # the first successful append commits the admission
         request.tokens.extend(new_tokens)
-        if sum(growth):
-            new_pages = self.pool.allocate(sum(growth)).tolist()
-            taken = 0
-            for table, count in zip(request.tables, growth):
-                table.pages.extend(new_pages[taken:taken + count])
-                taken += count
+        self._grow_tables(request, growth)
         if self.cache_on_allocate:
             self._cache_blocks(request, total)
         return True
@@ -289,16 +331,23 @@ class KVCacheManager:
                                       f"{num_lookahead_tokens} and {num_draft_states}")
         growth = [max(0, 1 + num_draft_states - len(t.pages)) if isinstance(g, CheckpointGroup)
                   else g.grow(t, num_tokens + num_lookahead_tokens) for g, t in zip(self.groups, request.tables)]
-        if sum(growth) > self.pool.num_free:
+        if not self._can_grow(growth):
             return False
         request.undo = None
-        if sum(growth):
-            new_pages = self.pool.allocate(sum(growth)).tolist()
-            taken = 0
-            for table, count in zip(request.tables, growth):
-                table.pages.extend(new_pages[taken:taken + count])
-                taken += count
+        self._grow_tables(request, growth)
         return True
+
+    def _can_grow(self, growth: list[int]) -> bool:
+        if self.pool.num_groups_share_ids:
+            return sum(growth) <= self.pool.num_free
+        return self.pool.can_take(dict(enumerate(growth)))
+
+    def _grow_tables(self, request: RequestKV, growth: list[int]) -> None:
+        """Append `growth[g]` new pages to the request's table of each group g (room already checked)."""
+        if sum(growth):
+            group_pages, _, _ = self.pool.take(growth)
+            for table, pages in zip(request.tables, group_pages):
+                table.pages.extend(pages)
 
     def release_lookahead(self, req_id: str, accepted_drafts: int = 0) -> int:
         """Give back each group's trailing pages that hold neither one of the request's tokens nor the
@@ -310,7 +359,7 @@ class KVCacheManager:
         released: list[int] = []
         for group, table in zip(self.groups, request.tables):
             if isinstance(group, CheckpointGroup):
-                if len(table.pages) > 1:
+                if len(table.pages) > 1 and not table.save_points:  # save pages leave in cache_blocks
                     kept = table.pages[min(accepted_drafts, len(table.pages) - 1)]
                     released += [page for page in table.pages if page != kept]
                     table.pages = [kept]
@@ -342,7 +391,11 @@ class KVCacheManager:
             for group, table in zip(self.groups, request.tables):
                 keys = group.page_keys(request.hashes)
                 if isinstance(group, CheckpointGroup):
-                    if self._save_checkpoint(group, table, keys, num_computed_tokens):
+                    cache_saves(group, table, keys, num_computed_tokens, self.pool)
+                    saved = self._save_checkpoint(group, table, keys, num_computed_tokens)
+                    if num_computed_tokens == request.branch_point > 0:
+                        saved |= save_branch_state(self, request, group, table, keys)
+                    if saved:
                         request.undo = None  # a page went through the free set: no exact undo any more
                 else:
                     group.cache_full_pages(table, keys, num_computed_tokens, request.tokens_of_page(group))
@@ -352,22 +405,6 @@ class KVCacheManager:
         if released:
             request.undo = None  # released pages may be taken by others at once: no exact undo any more
             self.pool.release(np.asarray(released, dtype=np.int64))
-
-    def _save_checkpoint(self, group: CheckpointGroup, table: GroupTable, keys: list[BlockHash],
-                         num_computed: int) -> bool:
-        key = group.checkpoint_key(keys, num_computed)
-        if key is None or num_computed <= table.last_checkpoint:
-            return False
-        table.last_checkpoint = num_computed
-        if self.pool.num_free == 0:
-            logger.debug("no free page for a checkpoint at %d tokens; skipped", num_computed)
-            return False
-        page = int(self.pool.allocate(1)[0])
-        self._pending_copies.append((group.group_id, table.pages[0], page))
-        index = num_computed // group.tokens_per_page - 1
-        self.pool.cache_page(page, group.group_id, key, keys[index - 1] if index else None)
-        self.pool.release(np.asarray([page]))
-        return True
 
     def _extend_hashes(self, request: RequestKV, num_tokens: int) -> None:
         have, want = len(request.hashes), num_tokens // self.block_size
@@ -430,9 +467,14 @@ class KVCacheManager:
                         if page in free_set:
                             pool.restore_cached(page, groups[i], hashes[i], parents[i], tokens[i] if tokens else ())
             pool.restore_free(new_pages, new_positions)
+        if undo.slab_moves:
+            pool.undo_moves(undo.slab_moves)
         pool.restore_free(undo.reused_pages, undo.reused_positions)
         self.queries -= undo.num_tokens
         self.hits -= undo.num_hit
+        if undo.group_hits:
+            self.group_hits = [total - mine for total, mine in zip(self.group_hits, undo.group_hits)]
+        self.turn_end_hits -= undo.turn_end_hit
         self.rollbacks += 1
 
     # -- session and branch pins -----------------------------------------------------------------
@@ -540,36 +582,65 @@ class KVCacheManager:
 
     def max_pages_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """The most pages one request of `num_tokens` tokens can hold at once over all groups (window
-        groups hold the window plus one chunk; a state group its running page)."""
+        groups hold the window plus one chunk; a state group its running page), in the pool's units (a
+        slab pool's: whole slabs per group, as a request alone takes them)."""
         total = 0
         for group in self.groups:
             rule, size = group.group.spec.hit_rule, group.tokens_per_page
             if rule == "checkpoint":
-                total += 1
+                pages = 1
             elif rule == "window":
-                total += min(-(-num_tokens // size), -(-(group.window + max_chunk_tokens) // size) + 1)
+                pages = min(-(-num_tokens // size), -(-(group.window + max_chunk_tokens) // size) + 1)
             else:
-                total += -(-num_tokens // size)
+                pages = -(-num_tokens // size)
+            per_slab = getattr(self.pool, "pages_per_slab", None)
+            if per_slab is None:
+                total += pages
+            else:
+                total += -(-pages // int(per_slab[group.group_id])) * self.pool.units_per_slab
         return total
+
+    def units_per_page(self, group: int) -> int:
+        """A page of `group` in the pool's capacity units (1 unless pages differ in size by group)."""
+        units = getattr(self.pool, "units_per_page", None)
+        return 1 if units is None else int(units[group])
+
+    def new_units(self, num_tokens: int, hit: int) -> int:
+        """Units the prefix pages of a prompt of `num_tokens` tokens with a hit of `hit` tokens take
+        (the scheduler's watermark estimate)."""
+        if self.pool.num_groups_share_ids:
+            return -(-num_tokens // self.block_size) - hit // self.block_size
+        return sum((-(-num_tokens // g.tokens_per_page) - hit // g.tokens_per_page) * self.units_per_page(g.group_id)
+                   for g in self.groups if g.group.spec.hit_rule == "prefix")
+
+    @property
+    def capacity_units(self) -> int:
+        """What the pool can hold, in units (pages for a one-size pool)."""
+        return self.pool.capacity_units()
 
     def take_events(self):
         return self.pool.take_events()
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        """Free capacity in the pool's units (pages for a one-size pool)."""
+        return self.pool.free_units()
 
     def stats(self) -> dict:
         pool = self.pool
         pinned, pinned_free = pool.eviction_order.num_pinned() if hasattr(pool.eviction_order, "num_pinned") else (0, 0)
+        capacity, free = pool.capacity_units(), pool.free_units()
         return {
-            "num_blocks": pool.num_pages, "free_blocks": pool.num_free, "cached_blocks": pool.num_cached,
-            "used_blocks": pool.num_pages - 1 - pool.num_free, "queries": self.queries, "hits": self.hits,
+            "num_blocks": capacity + 1, "free_blocks": free, "cached_blocks": pool.num_cached,
+            "used_blocks": capacity - free, "queries": self.queries, "hits": self.hits,
             "hit_rate": self.hits / self.queries if self.queries else 0.0, "lookups": self.lookups,
             "evictions": pool.evictions, "running_requests": len(self._requests),
             "blocks_hashed": self._memo.blocks_hashed, "blocks_hash_reused": self._memo.blocks_reused,
             "rollbacks": self.rollbacks, "pinned_blocks": pinned, "pinned_free_blocks": pinned_free,
             "pinned_evictions": getattr(pool.eviction_order, "pinned_evictions", 0),
+            "group_hits": list(self.group_hits), "turn_end_hits": self.turn_end_hits,
+            "turn_ends_saved": self.turn_ends.saved if self.turn_ends is not None else 0,
+            "branch_states_saved": self.branch_states_saved,
         }
 
     def check_invariants(self) -> None:
@@ -582,16 +653,19 @@ class KVCacheManager:
                 assert len(held) == len(set(held)), f"{request.req_id} holds a page twice"
                 np.add.at(owners, np.asarray(held, dtype=np.int64), 1)
         np.add.at(owners, np.asarray(self._pending_copy_sources, dtype=np.int64), 1)
+        owners += self.pool.map_held()
         owners[0] = self.pool.ref_counts[0]
         mismatch = np.flatnonzero(owners != self.pool.ref_counts)
         assert mismatch.size == 0, f"ref counts differ from owners at pages {mismatch[:8].tolist()}"
 
 
 def _flat_pages(reuse: list) -> np.ndarray:
-    """The pages of every group's (pages, start) in one int64 array (converted in C, not page by page)."""
-    if len(reuse) == 1:
+    """The pages of every group's (pages, start) in one int64 array (converted in C, not page by page),
+    and the partial pages a turn-end hit copies."""
+    tails = [page for _, page in getattr(reuse, "tails", ())]
+    if len(reuse) == 1 and not tails:
         return np.asarray(reuse[0][0], dtype=np.int64)
-    return np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in reuse])
+    return np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in reuse] + [np.asarray(tails, np.int64)])
 
 
 def _remove_last(items: list, value) -> None:

@@ -68,8 +68,13 @@ class PolicyEvictionOrder:
         if len(pages):
             self.policy.on_free(np.asarray(pages, dtype=np.int64))
 
-    def pop_victims(self, count: int) -> np.ndarray:
-        free = np.flatnonzero(self._ref_counts == 0)
+    def pop_victims(self, count: int, allowed: tuple[int, int] | None = None,
+                    page_group: np.ndarray | None = None) -> np.ndarray:
+        """`page_group` is accepted for the protocol: empty pages are taken first anyway."""
+        if allowed is None:
+            free = np.flatnonzero(self._ref_counts == 0)
+        else:  # one page group's ids (a "pool" KV layout, agentjax/kv/slab_pool.py)
+            free = allowed[0] + np.flatnonzero(self._ref_counts[allowed[0]:allowed[1]] == 0)
         if len(free) < count:
             raise OutOfPagesError(f"eviction order holds {len(free)} free pages, {count} requested")
         if self._page_group is None:
@@ -83,6 +88,19 @@ class PolicyEvictionOrder:
         self._last_state = self.policy.page_state(victims)
         self.policy.on_evict(victims)
         return victims
+
+    def push_fresh(self, pages: np.ndarray) -> None:
+        """Pages of a slab given to another group: empty, so taken first (`pop_victims` takes empty pages
+        before cached ones)."""
+        self.push_free(pages)
+
+    def on_reclaimed(self, pages: np.ndarray) -> None:
+        """Free pages whose slab went to another group: evicted for the policy (their pins end)."""
+        self.policy.on_evict(np.asarray(pages, dtype=np.int64))
+
+    def pinned_mask(self, pages: np.ndarray) -> np.ndarray:
+        self.policy._expire(self.clock())
+        return self.policy.pin_count[pages] > 0
 
     # -- undo (a rolled-back admission) ------------------------------------------------------------
     def positions(self, pages: np.ndarray) -> np.ndarray:

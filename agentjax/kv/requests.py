@@ -45,8 +45,11 @@ class AdmissionUndo:
     evicted: list[tuple] = field(default_factory=list)  # batches (pages, hashes, groups, parents, tokens)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # pending copies the admission queued
     copy_sources: list[int] = field(default_factory=list)  # checkpoint pages those copies read
+    slab_moves: list[tuple] = field(default_factory=list)  # slabs a SlabPool gave to another group
     num_tokens: int = 0  # counted in the manager's queries
     num_hit: int = 0  # counted in its hits
+    group_hits: list[int] = field(default_factory=list)  # counted in its group_hits
+    turn_end_hit: int = 0  # counted in its turn_end_hits
 
 
 @dataclass
@@ -59,6 +62,7 @@ class RequestKV:
     num_cached_tokens: int
     num_computed: int = 0
     undo: AdmissionUndo | None = None  # None once committed
+    branch_point: int = 0  # tokens where its cached attention pages end past any saved state (0: none)
 
     def tokens_of_page(self, group: GroupManager):
         size = group.tokens_per_page

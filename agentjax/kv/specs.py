@@ -155,6 +155,27 @@ class RecurrentStateSpec(KVSpec):
 
 
 @dataclass(frozen=True)
+class PackedSpec(KVSpec):
+    """Several "prefix" kinds that grow together, packed in one page group ("pool" layouts,
+    agentjax/kv/layout.py): a page holds its tokens of every layer of every member; a hit must end on
+    whole entries of every member."""
+
+    kind: ClassVar[str] = "packed"
+    members: tuple[tuple[KVSpec, int], ...] = ()  # (spec, layers)
+
+    @property
+    def token_granular(self) -> bool:  # type: ignore[override]
+        return all(spec.token_granular for spec, _ in self.members)
+
+    @property
+    def tokens_per_entry(self) -> int:
+        return math.lcm(*(spec.tokens_per_entry for spec, _ in self.members))
+
+    def bytes_for_tokens(self, num_tokens: int) -> int:
+        return sum(layers * spec.bytes_for_tokens(num_tokens) for spec, layers in self.members)
+
+
+@dataclass(frozen=True)
 class KVGroup:
     """Layers that share one spec; each of their pages holds `tokens_per_page` tokens of all of them."""
 

@@ -3,7 +3,7 @@
 Projects the ragged batch's tokens to Q/K/V, applies RoPE at each token's position, then hands
 the paged write-and-attend to the ragged paged attention that `agentjax.kernels` picks (the jnp
 reference on CPU; the kernel where `ModelConfig.attention_impl` asks for it). K and V live in the
-layer's slot of its KV group's buffer.
+layer's slot of its KV kind (agentjax/kv_buffers.py: a buffer per kind, or cells of the pool).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from jaxtyping import Array, Float
 
 from agentjax import kernels
 from agentjax.config import ModelConfig
+from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies, yarn_attention_factor
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class Attention(nnx.Module):
         self.rope_scaling = cfg.layer_rope_scaling(layer)
         self.sm_scale = cfg.query_scale
         self.impl = cfg.attention_impl
-        self.kv_group = kv_groups["kv"]
+        self.kv_kinds = dict(kv_groups)
 
     def project(self, x: Float[Array, "tokens hidden"], batch: RaggedBatch, numerics: str):
         """Q, K and V of the batch's tokens, normed and rotated: `[tokens, heads, dim]` each."""
@@ -64,23 +65,23 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "tokens hidden"], tuple]:
         tokens = x.shape[0]
         q, k, v = self.project(x, batch, numerics)
-        group = self.kv_group
+        paged = LayerKV(kv, batch, slots, self.kv_kinds)
         out, pages = kernels.ragged_paged_attention(
             q,
             k,
             v,
-            kv[group],
+            paged.pages("kv"),
             batch.kv_lens,
-            batch.page_indices[group],
+            paged.table("kv"),
             batch.cu_q_lens,
-            layer=slots["kv"],
+            layer=paged.layer("kv"),
             token_seq_ids=batch.seq_ids,
             token_positions=batch.positions,
-            slot_mapping=batch.slot_mapping[group],
+            slot_mapping=paged.slot_mapping("kv"),
             sm_scale=self.sm_scale,
             sliding_window=self.sliding_window,
             batch_invariant=numerics == "batch_invariant",
             impl=self.impl,
         )
-        kv = kv[:group] + (pages,) + kv[group + 1:]
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), kv
+        paged.store("kv", pages)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), paged.kv

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float
 
 from agentjax import kernels
 from agentjax.config import ModelConfig
+from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies, yarn_attention_factor
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class BlockSparseAttention(nnx.Module):
         self.rope_dim, self.rope_theta, self.rope_scaling = cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling
         self.sm_scale = cfg.query_scale
         self.impl = cfg.attention_impl
-        self.kv_group, self.index_group = kv_groups["kv"], kv_groups["index"]
+        self.kv_kinds = dict(kv_groups)
 
     def project(self, x: Float[Array, "tokens hidden"], batch: RaggedBatch, numerics: str):
         """Q, K, V `[tokens, heads, dim]` and the indexer's queries `[tokens, index_heads, index_dim]`
@@ -83,16 +84,16 @@ class BlockSparseAttention(nnx.Module):
         tokens = x.shape[0]
         q, k, v, index_q, index_k = self.project(x, batch, numerics)
         invariant = numerics == "batch_invariant"
-        group = self.index_group
+        paged = LayerKV(kv, batch, slots, self.kv_kinds)
         selected, index_pages = kernels.index_select_blocks(
             index_q,
             index_k,
-            kv[group],
-            batch.page_indices[group],
-            slot=slots["index"],
+            paged.pages("index"),
+            paged.table("index"),
+            slot=paged.layer("index"),
             token_seq_ids=batch.seq_ids,
             token_positions=batch.positions,
-            slot_mapping=batch.slot_mapping[group],
+            slot_mapping=paged.slot_mapping("index"),
             block_size=self.block_size,
             topk_blocks=self.topk_blocks,
             local_blocks=self.local_blocks,
@@ -101,23 +102,23 @@ class BlockSparseAttention(nnx.Module):
             batch_invariant=invariant,
             impl=self.impl,
         )
-        kv = kv[:group] + (index_pages,) + kv[group + 1:]
-        group = self.kv_group
+        paged.store("index", index_pages)
         out, pages = kernels.block_sparse_attention(
             q,
             k,
             v,
-            kv[group],
-            batch.page_indices[group],
+            paged.pages("kv"),
+            paged.table("kv"),
             selected,
-            slot=slots["kv"],
+            slot=paged.layer("kv"),
             token_seq_ids=batch.seq_ids,
             token_positions=batch.positions,
-            slot_mapping=batch.slot_mapping[group],
+            slot_mapping=paged.slot_mapping("kv"),
             sm_scale=self.sm_scale,
             block_size=self.block_size,
             batch_invariant=invariant,
             impl=self.impl,
         )
-        kv = kv[:group] + (pages,) + kv[group + 1:]
+        paged.store("kv", pages)
+        kv = paged.kv
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), kv

@@ -20,6 +20,7 @@ from jaxtyping import Array, Float
 
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import kv_slots
+from agentjax.kv_buffers import KVPool, num_page_tables
 from agentjax.models.layer_plan import LayerKind, Segment, layer_kinds, segment_slot_table, segments_of
 from agentjax.models.block_weights import project, take_rows
 from agentjax.models.layers import GatedMLP, RMSNorm, _init
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
     from agentjax.ragged_batch import RaggedBatch
 
 # Token mixers by layer type. Each is built as `cls(cfg, layer, kv_groups, rngs=...)` and called as
-# `mixer(x, kv, batch, numerics, slots) -> (out, kv)`, where `kv` is the tuple of KV group buffers
-# and `slots` maps each of its KV roles to its (traced) slot in that role's group buffer.
+# `mixer(x, kv, batch, numerics, slots) -> (out, kv)`, where `kv` is the KV memory (a tuple of per-kind
+# buffers or a KVPool, agentjax/kv_buffers.py) and `slots` maps each of its KV roles to its (traced)
+# slot among its kind's layers.
 MIXERS = {
     "full_attention": "agentjax.models.attention:Attention",
     "sliding_attention": "agentjax.models.attention:Attention",
@@ -86,6 +88,9 @@ class DecoderBlock(nnx.Module):
         """One layer on the residual `stream`; `layer` is the (traced) layer index."""
         stream, x = self.residual.mixer_input(stream, layer, numerics)
         attn_out, kv = self.attn(self.input_norm(x, numerics), kv, batch, numerics, slots)
+        # The KV buffers leave each layer only once its output exists: XLA then updates them in place even
+        # when several layers of one scanned body write the same buffer (else it copies the buffer).
+        attn_out, kv = jax.lax.optimization_barrier((attn_out, kv))
         if self.sandwich:
             attn_out = self.post_attn_norm(attn_out, numerics)
         stream, x = self.residual.mlp_input(stream, attn_out, numerics)
@@ -156,8 +161,8 @@ class Decoder(nnx.Module):
         batch: RaggedBatch,
         numerics: str = "fast",
     ) -> tuple[Float[Array, "tokens hidden"], tuple]:
-        """`kv` is the tuple of KV group buffers (`ModelConfig.new_kv_pages`); a batch with one page
-        table serves every group with it (notebooks)."""
+        """`kv` is the KV memory: the tuple of per-kind buffers (`ModelConfig.new_kv_pages`; a batch with
+        one page table then serves every kind with it, as notebooks do) or an engine's `KVPool`."""
         hidden, _, kv = self.forward_with_mtp_input(kv, batch, numerics)
         return hidden, kv
 
@@ -165,9 +170,9 @@ class Decoder(nnx.Module):
                                ) -> tuple[Float[Array, "tokens hidden"], Array, tuple]:
         """`(final hidden states, what an MTP module reads of each token, kv)`: the final hidden states
         themselves, or with hyper-connections the residual streams before the hyper-head."""
-        batch = batch.for_groups(self.num_kv_groups)
+        batch = batch.for_groups(num_page_tables(kv) or self.num_kv_groups)
         x = self.embed_tokens(batch.token_ids)
-        kv = tuple(kv)
+        kv = kv if isinstance(kv, KVPool) else tuple(kv)
         stream = self.residual.start(x)
         for segment in self.segments:
             stream, kv = segment(stream, kv, batch, numerics)

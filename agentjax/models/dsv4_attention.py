@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 from agentjax import kernels
 from agentjax.config import ModelConfig, RopeScaling
 from agentjax.errors import InvalidRequestError
+from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm, _init, rope_inverse_frequencies, yarn_attention_factor
 from agentjax.numerics import map_row_blocks
 
@@ -71,10 +72,6 @@ def _unweighted_rms(x: Array, eps: float) -> Array:
     return x * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps).astype(x.dtype)
 
 
-def _replace(kv: tuple, group: int, pages: Array) -> tuple:
-    return kv[:group] + (pages,) + kv[group + 1:]
-
-
 class BlockCompressor(nnx.Module):
     """Pools every block of `rate` tokens into one `width`-wide entry. `series` = 2 (CSA): each token
     projects two series, and entry w mixes block w-1's first (Ca) with block w's second (Cb); 1 (HCA):
@@ -90,16 +87,15 @@ class BlockCompressor(nnx.Module):
         self.kv_norm = RMSNorm(width, eps=eps, dtype=dtype)
         self.rate, self.series, self.dtype = rate, series, dtype
 
-    def update(self, x: Array, kv: tuple, batch: RaggedBatch, numerics: str, slots: dict, groups: dict,
-               state_role: str, entry_role: str, rope: Rope, impl: str) -> tuple:
+    def update(self, x: Array, paged: LayerKV, batch: RaggedBatch, numerics: str, state_role: str, entry_role: str,
+               rope: Rope, impl: str) -> None:
         """Write this step's inputs into the rolling state, then the entry of every block that ends
         at one of this step's tokens (from the state of its span) into the entry pages."""
         rate, invariant = self.rate, numerics == "batch_invariant"
-        state_group, entry_group = groups[state_role], groups[entry_role]
         inputs = jnp.concatenate([self.kv_proj(x, numerics), self.gate_proj(x, numerics)], axis=-1)
-        state = kernels.dsv4_write_rows(kv[state_group], slots[state_role], inputs.astype(jnp.float32),
-                                        batch.slot_mapping[state_group], impl=impl)
-        kv = _replace(kv, state_group, state)
+        state = kernels.dsv4_write_rows(paged.pages(state_role), paged.layer(state_role), inputs.astype(jnp.float32),
+                                        paged.slot_mapping(state_role), impl=impl)
+        paged.store(state_role, state)
         # At most one block ends per `rate` tokens of a row: gather those tokens (fixed count).
         tokens, rows = batch.num_tokens, batch.num_seqs
         ends = (batch.positions + 1) % rate == 0
@@ -108,15 +104,16 @@ class BlockCompressor(nnx.Module):
         valid = jnp.arange(count) < ends.sum()
         end_positions = jnp.where(valid, batch.positions[token], 0)
         pooled = kernels.dsv4_pool_blocks(
-            state, slots[state_role], batch.page_indices[state_group][batch.seq_ids[token]], end_positions,
+            state, paged.layer(state_role), paged.table(state_role)[batch.seq_ids[token]], end_positions,
             self.position_bias[...], ratio=rate, overlap=self.series == 2, dtype=self.dtype,
             batch_invariant=invariant, impl=impl)
         starts = end_positions + 1 - rate
         entries = _per_token(lambda p, s: rope(self.kv_norm(p, numerics)[:, None], s)[:, 0], numerics, pooled, starts)
         # A page of P tokens holds P // rate entries: the token's slot // rate is its block's entry slot.
-        entry_slots = jnp.where(valid, batch.slot_mapping[entry_group][token] // rate, -1)
-        pages = kernels.dsv4_write_entries(kv[entry_group], slots[entry_role], entries, entry_slots, impl=impl)
-        return _replace(kv, entry_group, pages)
+        entry_slots = jnp.where(valid, paged.slot_mapping(entry_role)[token] // rate, -1)
+        pages = kernels.dsv4_write_entries(paged.pages(entry_role), paged.layer(entry_role), entries, entry_slots,
+                                           impl=impl)
+        paged.store(entry_role, pages)
 
 
 class Indexer(BlockCompressor):
@@ -194,19 +191,18 @@ class DeepseekV4Attention(nnx.Module):
         row = self.kv_norm(self.kv_proj(x, numerics), numerics)[:, None]
         q, row = _per_token(lambda q, row, p: (self.rope(_unweighted_rms(q, self.eps), p), self.rope(row, p)[:, 0]),
                             numerics, q, row, positions)
-        window_group = groups["window"]
-        kv = _replace(kv, window_group, kernels.dsv4_write_rows(
-            kv[window_group], slots["window"], row, batch.slot_mapping[window_group], impl=impl))
+        paged = LayerKV(kv, batch, slots, groups)
+        paged.store("window", kernels.dsv4_write_rows(
+            paged.pages("window"), paged.layer("window"), row, paged.slot_mapping("window"), impl=impl))
         entries = {}
         if self.layer_type != "swa_mqa":
-            kv = self.compressor.update(x, kv, batch, numerics, slots, groups, "kv_state", "entries", self.rope, impl)
-            entry_group = groups["entries"]
-            entries = dict(entry_pages=kv[entry_group], entry_slot=slots["entries"],
-                           entry_page_indices=batch.page_indices[entry_group], ratio=self.compressor.rate)
+            self.compressor.update(x, paged, batch, numerics, "kv_state", "entries", self.rope, impl)
+            entries = dict(entry_pages=paged.pages("entries"), entry_slot=paged.layer("entries"),
+                           entry_page_indices=paged.table("entries"), ratio=self.compressor.rate)
         if self.layer_type == "csa":
-            entries["selected"], kv = self._select(x, q_residual, kv, batch, numerics, slots)
+            entries["selected"] = self._select(x, q_residual, paged, batch, numerics)
         out = kernels.dsv4_attention(
-            q, kv[window_group], slots["window"], batch.page_indices[window_group], self.sinks[...],
+            q, paged.pages("window"), paged.layer("window"), paged.table("window"), self.sinks[...],
             token_seq_ids=batch.seq_ids, token_positions=positions, window=self.window, sm_scale=dim ** -0.5,
             batch_invariant=invariant, impl=impl, **entries)
 
@@ -214,23 +210,21 @@ class DeepseekV4Attention(nnx.Module):
             out = self.rope(out, positions, inverse=True)
             return self.o_a_proj(out.reshape(out.shape[0], self.groups, -1))
 
-        return self.o_b_proj(_per_token(project, numerics, out, positions), numerics), kv
+        return self.o_b_proj(_per_token(project, numerics, out, positions), numerics), paged.kv
 
-    def _select(self, x: Array, q_residual: Array, kv: tuple, batch: RaggedBatch, numerics: str,
-                slots: dict) -> tuple[Int[Array, "tokens topk"], tuple]:
+    def _select(self, x: Array, q_residual: Array, paged: LayerKV, batch: RaggedBatch,
+                numerics: str) -> Int[Array, "tokens topk"]:
         """The indexer: store this step's indexer inputs and finished keys, then each token's top-k."""
-        indexer, groups = self.indexer, self.kv_groups
-        kv = indexer.update(x, kv, batch, numerics, slots, groups, "index_state", "index_entries",
-                            self.compress_rope, self.impl)
+        indexer = self.indexer
+        indexer.update(x, paged, batch, numerics, "index_state", "index_entries", self.compress_rope, self.impl)
         index_q = indexer.q_b_proj(q_residual, numerics).reshape(x.shape[0], indexer.num_heads, indexer.head_dim)
         index_q = _per_token(self.compress_rope, numerics, index_q, batch.positions)
         weights = indexer.weights_proj(x, numerics).astype(jnp.float32) * indexer.num_heads ** -0.5
-        group = groups["index_entries"]
         selected = kernels.dsv4_indexer_topk(
-            index_q, weights, kv[group], slots["index_entries"], batch.page_indices[group],
+            index_q, weights, paged.pages("index_entries"), paged.layer("index_entries"), paged.table("index_entries"),
             token_seq_ids=batch.seq_ids, token_positions=batch.positions, ratio=indexer.rate, topk=indexer.top_k,
             sm_scale=indexer.head_dim ** -0.5, batch_invariant=numerics == "batch_invariant", impl=self.impl)
-        return selected, kv
+        return selected
 
 
 class SlidingWindowMQA(DeepseekV4Attention):

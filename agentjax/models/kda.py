@@ -27,6 +27,7 @@ from jaxtyping import Array, Float
 from agentjax import kernels
 from agentjax.config import ModelConfig
 from agentjax.errors import InvalidRequestError
+from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def _forget_gate_init(rngs: nnx.Rngs, num_heads: int, width: int, dtype: str) ->
 
 
 class KimiDeltaAttention(nnx.Module):
-    """One KDA layer over the paged state; `kv_groups["state"]` is its state group."""
+    """One KDA layer over the paged state; `kv_groups["state"]` is its state kind."""
 
     def __init__(self, cfg: ModelConfig, layer: int, kv_groups: dict[str, int], *, rngs: nnx.Rngs):
         if cfg.kda is None:
@@ -84,7 +85,7 @@ class KimiDeltaAttention(nnx.Module):
         self.o_proj = Linear(width, hidden, dtype=dtype, rngs=rngs)
         self.num_heads, self.head_dim, self.conv_kernel_size = heads, dim, kernel
         self.impl = cfg.attention_impl
-        self.state_group = kv_groups["state"]
+        self.kv_kinds = dict(kv_groups)
 
     def gates(self, x: Float[Array, "tokens hidden"], numerics: str) -> tuple[Array, Array]:
         """`(g [T, H, D], beta [T, H])` in float32: the per-channel log-decay
@@ -114,41 +115,54 @@ class KimiDeltaAttention(nnx.Module):
             [conv.weight[...].reshape(width, self.conv_kernel_size) for conv in (self.q_conv1d, self.k_conv1d,
                                                                                   self.v_conv1d)], 0)
         g, beta = self.gates(x, numerics)
-        group = self.state_group
-        draft_states = _draft_state_pages(batch, group, kv[group].shape[1])
+        paged = LayerKV(kv, batch, slots, self.kv_kinds)
+        state_pages, table = paged.pages("state"), paged.table("state")
+        draft_states = _draft_state_pages(batch, table, state_pages.shape[1])
         out, pages = kernels.kimi_delta_attention(
             mixed,
             g,
             beta,
             conv_weight,
-            kv[group],
+            state_pages,
             batch.cu_q_lens,
             batch.kv_lens,
-            batch.page_indices[group][:, 0],
-            slot=slots["state"],
+            table[:, 0],
+            slot=paged.layer("state"),
             token_seq_ids=batch.seq_ids,
             num_heads=self.num_heads,
             head_dim=self.head_dim,
             batch_invariant=numerics == "batch_invariant",
             impl=self.impl,
             draft_states=draft_states,
+            state_saves=_interval_state_pages(batch, table, state_pages.shape[1]),
         )
         gate = self.g_proj(x, numerics) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x, numerics), numerics)
         gate = gate.reshape(tokens, self.num_heads, self.head_dim)
         # transformers' gated RMSNorm: all in float32 (`out` is float32, so the norm stays float32).
         out = self.o_norm(out, numerics) * jax.nn.sigmoid(gate.astype(jnp.float32))
-        kv = kv[:group] + (pages,) + kv[group + 1:]
-        return self.o_proj(out.reshape(tokens, width).astype(x.dtype), numerics), kv
+        paged.store("state", pages)
+        return self.o_proj(out.reshape(tokens, width).astype(x.dtype), numerics), paged.kv
 
 
-def _draft_state_pages(batch: RaggedBatch, group: int, num_pages: int) -> tuple[Array, Array, Array]:
+def _draft_state_pages(batch: RaggedBatch, table: Array, num_pages: int) -> tuple[Array, Array, Array]:
     """`(token index, row, page)` per sampled token: a row that carries draft tokens (speculative decoding)
-    keeps the state after its i-th sampled token in page i of its state table (page 0, the running page,
+    keeps the state after its i-th sampled token in page i of its state `table` (page 0, the running page,
     after its real token); other samples get page `num_pages` (not saved)."""
     offsets = batch.sample_offsets
     rows = jnp.where(offsets >= 0, batch.seq_ids[batch.logits_indices], 0)
     drafting = jnp.zeros(batch.num_seqs, bool).at[rows].max(offsets >= 1)
-    table = batch.page_indices[group]
     page = jnp.take_along_axis(table[rows], jnp.clip(offsets, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
     saved = (offsets >= 0) & drafting[rows] & (offsets < table.shape[1])
     return batch.logits_indices, rows, jnp.where(saved, page, num_pages)
+
+
+def _interval_state_pages(batch: RaggedBatch, table: Array, num_pages: int) -> tuple[Array, Array] | None:
+    """`(token index, page)` per recurrent-state checkpoint inside this step's prefill chunks: the page in
+    column `state_save_cols` of the token's row's state `table`; `num_pages` (not saved) for padding."""
+    if batch.state_save_tokens is None:
+        return None
+    tokens, columns = batch.state_save_tokens, batch.state_save_cols
+    rows = batch.seq_ids[jnp.clip(tokens, 0, batch.num_tokens - 1)]
+    page = table[rows, jnp.clip(columns, 0, table.shape[1] - 1)]
+    saved = (columns > 0) & (columns < table.shape[1]) & (tokens < batch.num_tokens)
+    return tokens, jnp.where(saved, page, num_pages)

@@ -21,6 +21,7 @@ from jaxtyping import Array, Float
 from agentjax import kernels
 from agentjax.config import ModelConfig
 from agentjax.errors import UnsupportedModelError
+from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm, map_row_blocks
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class MLAAttention(nnx.Module):
         self.num_heads = heads
         self.sm_scale = cfg.attention_scale if cfg.attention_scale is not None else mla.qk_head_dim**-0.5
         self.impl = cfg.attention_impl
-        self.kv_group = kv_groups["latent"]
+        self.kv_kinds = dict(kv_groups)
 
     def queries(self, x: Float[Array, "tokens hidden"], numerics: str) -> Float[Array, "tokens heads qk"]:
         if self.mla.q_lora_rank is None:
@@ -97,16 +98,16 @@ class MLAAttention(nnx.Module):
             q_latent = jnp.einsum("thn,rhn->thr", q_rows[..., :mla.qk_nope_head_dim], w_uk)
             return jnp.concatenate([q_latent, q_rows[..., mla.qk_nope_head_dim:]], axis=-1)
 
-        group = self.kv_group
+        paged = LayerKV(kv, batch, slots, self.kv_kinds)
         out_latent, pages = kernels.mla_paged_attention(
             _per_token(absorb, numerics, q),
             self.latent_rows(x, numerics),
-            kv[group],
-            batch.page_indices[group],
-            layer=slots["latent"],
+            paged.pages("latent"),
+            paged.table("latent"),
+            layer=paged.layer("latent"),
             token_seq_ids=batch.seq_ids,
             token_positions=batch.positions,
-            slot_mapping=batch.slot_mapping[group],
+            slot_mapping=paged.slot_mapping("latent"),
             kv_lens=batch.kv_lens,
             cu_q_lens=batch.cu_q_lens,
             value_dim=mla.kv_lora_rank,
@@ -118,5 +119,5 @@ class MLAAttention(nnx.Module):
         if mla.output_gate:
             gate = self.g_proj(x, numerics).reshape(tokens, self.num_heads, mla.v_head_dim)
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-        kv = kv[:group] + (pages,) + kv[group + 1:]
-        return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim), numerics), kv
+        paged.store("latent", pages)
+        return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim), numerics), paged.kv

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from agentjax.config import ModelConfig
+from agentjax.kv_buffers import join_part, model_part
 from agentjax.models.params import split_model
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.sampler import SamplingMetadata, _filter_top_k_top_p
@@ -75,7 +76,7 @@ class SpecInputs:
 
 
 def target_part(batch: RaggedBatch, num_groups: int, draft: bool = False) -> RaggedBatch:
-    """The batch with the page tables of the target's first `num_groups` groups (or the rest: a draft's)."""
+    """The batch with the target's first `num_groups` page tables (or the rest: a draft's)."""
     part = slice(num_groups, None) if draft else slice(0, num_groups)
     return batch.replace(page_indices=batch.page_indices[part], slot_mapping=batch.slot_mapping[part])
 
@@ -94,13 +95,15 @@ def accepted_counts(batch: RaggedBatch, spec: SpecInputs, tokens: jax.Array) -> 
 
 
 def chain_batch(batch: RaggedBatch, positions: jax.Array, token_ids: jax.Array, active: jax.Array,
-                page_size: int) -> RaggedBatch:
-    """One token per row at `positions`, over the rows' page tables; a position past a row's pages (or an
-    inactive row) writes into the null page."""
+                page_sizes) -> RaggedBatch:
+    """One token per row at `positions`, over the rows' page tables (`page_sizes`: tokens per page of
+    each table, or one for all); a position past a row's pages (or an inactive row) writes into the null
+    page."""
     rows = jnp.arange(batch.num_seqs, dtype=jnp.int32)
     positions = jnp.where(active, positions, 0).astype(jnp.int32)
     slots = []
-    for table in batch.page_indices:
+    sizes = (page_sizes,) * len(batch.page_indices) if isinstance(page_sizes, int) else tuple(page_sizes)
+    for table, page_size in zip(batch.page_indices, sizes):
         index = positions // page_size
         page = jnp.take_along_axis(table, jnp.clip(index, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
         page = jnp.where(active & (index < table.shape[1]), page, 0)
@@ -148,7 +151,7 @@ class MTPDrafter:
     cfg: ModelConfig
     num_speculative_tokens: int
     numerics: str
-    page_size: int
+    page_size: int | tuple[int, ...]  # tokens per page of every page table (or one for all)
 
     def _model(self, params):
         return nnx.merge(graph_of(self.cfg), params)
@@ -190,23 +193,33 @@ class DraftModelDrafter:
 
     cfg: ModelConfig
     draft_cfg: ModelConfig
-    num_target_groups: int
+    num_target_groups: int  # the target's KV kinds (buffers), before the draft model's
     num_speculative_tokens: int
     numerics: str
-    page_size: int
+    page_size: int | tuple[int, ...]  # tokens per page of every page table (or one for all)
+    num_target_tables: int | None = None  # the target's page tables (None: one per kind)
 
     def _models(self, params):
         return nnx.merge(graph_of(self.cfg), params[0]), nnx.merge(graph_of(self.draft_cfg), params[1])
+
+    @property
+    def _tables(self) -> int:
+        return self.num_target_groups if self.num_target_tables is None else self.num_target_tables
+
+    def _draft_page_sizes(self):
+        return self.page_size if isinstance(self.page_size, int) else self.page_size[self._tables:]
 
     def forward(self, params, kv_pages, batch: RaggedBatch):
         """The target's hidden states, and the draft model's logits at the sampled positions (its q there),
         each writing its own groups' KV."""
         target, draft = self._models(params)
-        split = self.num_target_groups
-        hidden, target_kv = target(kv_pages[:split], target_part(batch, split), self.numerics)
-        draft_hidden, draft_kv = draft(kv_pages[split:], target_part(batch, split, draft=True), self.numerics)
+        kinds, tables = self.num_target_groups, self._tables
+        hidden, target_kv = target(model_part(kv_pages, kinds, tables, False), target_part(batch, tables), self.numerics)
+        kv_pages = join_part(kv_pages, target_kv, kinds, False)
+        draft_hidden, draft_kv = draft(model_part(kv_pages, kinds, tables, True),
+                                       target_part(batch, tables, draft=True), self.numerics)
         draft_logits = draft.logits(jnp.take(draft_hidden, batch.logits_indices, axis=0), self.numerics)
-        return hidden, draft_logits, tuple(target_kv) + tuple(draft_kv)
+        return hidden, draft_logits, join_part(kv_pages, draft_kv, kinds, True)
 
     def logits(self, params, hidden):
         return self._models(params)[0].logits(hidden, self.numerics)
@@ -217,16 +230,16 @@ class DraftModelDrafter:
         if not greedy_only:
             tokens = rejection_sample(processed, _processed(draft_logits, sampling), spec.draft_ids, tokens, sampling)
         _, draft = self._models(params)
-        split, numerics = self.num_target_groups, self.numerics
-        draft_batch = target_part(batch, split, draft=True)
+        kinds, tables, numerics = self.num_target_groups, self._tables, self.numerics
+        draft_batch = target_part(batch, tables, draft=True)
         _, last = accepted_counts(batch, spec, tokens)
         position, token = batch.positions[batch.logits_indices[last]], tokens[last]
         active = spec.row_first_sample < batch.num_samples
         row_meta = jax.tree.map(lambda x: x[last], sampling)
-        draft_kv, drafts = tuple(kv_pages[split:]), []
+        draft_kv, drafts = model_part(kv_pages, kinds, tables, True), []
         for step in range(1, self.num_speculative_tokens + 1):
-            hidden, draft_kv = draft(draft_kv, chain_batch(draft_batch, position + step, token, active, self.page_size),
-                                     numerics)
+            chained = chain_batch(draft_batch, position + step, token, active, self._draft_page_sizes())
+            hidden, draft_kv = draft(draft_kv, chained, numerics)
             logits = draft.logits(hidden, numerics)
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             if not greedy_only:  # drawn from q, keyed by the output index the draft would take
@@ -234,4 +247,4 @@ class DraftModelDrafter:
                 drawn = jax.vmap(jax.random.categorical)(keys, _processed(logits, row_meta)).astype(jnp.int32)
                 token = jnp.where(row_meta.temperature > 0, drawn, token)
             drafts.append(token)
-        return tokens, jnp.stack(drafts, axis=1), tuple(kv_pages[:split]) + draft_kv
+        return tokens, jnp.stack(drafts, axis=1), join_part(kv_pages, draft_kv, kinds, True)

@@ -22,8 +22,9 @@ import numpy as np
 
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import state_group_ids
+from agentjax.kv_buffers import KVPool, copy_pool_pages, new_pool
 from agentjax.progress import Heartbeat
-from agentjax.ragged_batch import RaggedBatch, bucket
+from agentjax.ragged_batch import STATE_SAVE_BUCKETS, RaggedBatch, bucket
 from agentjax.runner.compilation_cache import compile_notice, describe_step_shape, enable_compilation_cache
 from agentjax.runner.drafters import SpecInputs
 from agentjax.runner.extras import StepExtras, penalty_inputs, prompt_logprob_inputs
@@ -31,6 +32,17 @@ from agentjax.runner.sampler import SamplingMetadata
 from agentjax.runner.step import make_sampling_step
 
 logger = logging.getLogger(__name__)
+
+
+def kv_memory_summary(kv_layout, num_pages: int, page_size: int) -> str:
+    """What the KV allocation holds, for the log: a pool's slabs and page groups, or pages of one size."""
+    if kv_layout is None or kv_layout.mode != "pool":
+        return f"{num_pages - 1} pages of {page_size} tokens"
+    if len(kv_layout.groups) == 1 and kv_layout.groups[0].pages_per_slab == 1:  # a slab is a page
+        return f"{num_pages - 1} pages of {kv_layout.groups[0].tokens_per_page} tokens"
+    groups = ", ".join(f"{name} {g.tokens_per_page}" for name, g in zip(kv_layout.group_names(), kv_layout.groups))
+    return (f"{kv_layout.num_slabs - 1} slabs of {kv_layout.slab_bytes / 2**20:.2f} MiB shared by "
+            f"{len(kv_layout.groups)} page groups (tokens per page: {groups})")
 
 
 def kv_cache_bytes(kv_pages) -> int:
@@ -62,24 +74,31 @@ class ModelRunner:
     last_drafts: np.ndarray | None = None
 
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
-                 logprobs_mode: str = "raw_logprobs", drafting=None):
+                 logprobs_mode: str = "raw_logprobs", drafting=None, kv_layout=None):
         """`drafting` (agentjax.spec_decode.setup.Drafting, or None) names a device drafter: the method,
-        its draft count and, for a draft model, its config and parameters."""
+        its draft count and, for a draft model, its config and parameters. `kv_layout` (a
+        `KVMemoryLayout`) places the KV memory: a "pool" layout's slabs, or with None / "shared" one
+        buffer per kind of `num_pages` pages of `page_size` tokens."""
         enable_compilation_cache()
         self.cfg = cfg
         self.logprobs_mode = logprobs_mode
         self.params = params
         self.page_size = page_size
-        self.num_pages = num_pages
+        self.kv_layout = kv_layout
+        pooled = kv_layout is not None and kv_layout.mode == "pool"
+        self.num_pages = kv_layout.num_slabs if kv_layout is not None else num_pages
+        # tokens per page of each batch page table (a pool's page groups each have their own)
+        self.page_sizes = kv_layout.tokens_per_page() if pooled else page_size
         self.numerics = numerics
         self.drafting = drafting
-        self.drafter = make_drafter(cfg, drafting, numerics, page_size) if drafting is not None else None
-        with Heartbeat(logger, f"allocating the KV cache: {num_pages - 1} pages of {page_size} tokens",
-                       doing="allocating the KV cache") as beat:
+        self.drafter = make_drafter(cfg, drafting, numerics, page_size, kv_layout) if drafting is not None else None
+        what = kv_memory_summary(kv_layout, self.num_pages, page_size)
+        with Heartbeat(logger, f"allocating the KV cache: {what}", doing="allocating the KV cache") as beat:
             self.kv_pages = self._new_kv_pages()
-        logger.info("KV cache: %d pages of %d tokens (and the null page), %.2f GiB on the device (%.1f s)",
-                    num_pages - 1, page_size, kv_cache_bytes(self.kv_pages) / 2**30, beat.elapsed)
-        self.state_groups = state_group_ids(cfg)
+        logger.info("KV cache: %s (and the null %s), %.2f GiB on the device (%.1f s)", what,
+                    "page" if what.endswith("tokens") else "slab", kv_cache_bytes(self.kv_pages) / 2**30, beat.elapsed)
+        self.state_groups = kv_layout.state_groups() if pooled else state_group_ids(cfg)
+        self.state_interval = kv_layout.state_interval() if kv_layout is not None else 0
         self._steps = {
             True: make_sampling_step(cfg, numerics, greedy_only=True, drafter=self.drafter),
             False: make_sampling_step(cfg, numerics, greedy_only=False, drafter=self.drafter),
@@ -94,7 +113,9 @@ class ModelRunner:
         drafting = self.drafting
         return (self.params, drafting.draft_params) if drafting is not None and drafting.draft_cfg else self.params
 
-    def _new_kv_pages(self) -> tuple:
+    def _new_kv_pages(self):
+        if self.kv_layout is not None and self.kv_layout.mode == "pool":
+            return new_pool(self.kv_layout)
         pages = tuple(self.cfg.new_kv_pages(self.num_pages, self.page_size))
         if self.drafting is not None and self.drafting.draft_cfg is not None:
             pages += tuple(self.drafting.draft_cfg.new_kv_pages(self.num_pages, self.page_size))
@@ -192,13 +213,16 @@ class ModelRunner:
         """The compiled shape: a step that samples more positions than rows (speculative decoding)
         adds its sample count."""
         key = (*batch.shape_key(), greedy_only)
+        if batch.state_save_tokens is not None and len(batch.state_save_tokens) > STATE_SAVE_BUCKETS[0]:
+            key = (*key, ("state saves", len(batch.state_save_tokens)))
         return key if batch.num_samples == batch.num_seqs else (*key, ("samples", batch.num_samples))
 
     def _prepare(self, rows, sampling, token_bitmask, kv_copies, sample_counts=None
                  ) -> tuple[RaggedBatch, SamplingMetadata, bool]:
         if kv_copies:
             self.copy_pages(kv_copies)
-        batch = RaggedBatch.build(rows, self.page_size, state_groups=self.state_groups, sample_counts=sample_counts)
+        batch = RaggedBatch.build(rows, self.page_sizes, state_groups=self.state_groups, sample_counts=sample_counts,
+                                  state_interval=self.state_interval)
         greedy_only = all(s[0] == 0.0 for s in sampling)
         meta = SamplingMetadata.greedy(batch.num_samples, self.cfg.vocab_size)
         if token_bitmask is not None:
@@ -226,27 +250,38 @@ class ModelRunner:
 
     def copy_pages(self, copies: Sequence[tuple[int, int, int]]) -> None:
         """Run page copies group by group, each group's in the order given."""
-        buffers = list(self.kv_pages)
+        pooled = isinstance(self.kv_pages, KVPool)
+        buffers = self.kv_pages if pooled else list(self.kv_pages)
         for group in sorted({c[0] for c in copies}):
             pairs = [(src, dst) for g, src, dst in copies if g == group]
             size = bucket(len(pairs), COPY_BUCKETS)
             sources = np.zeros(size, np.int32)
             destinations = np.zeros(size, np.int32)
             sources[:len(pairs)], destinations[:len(pairs)] = zip(*pairs)
-            buffers[group] = copy_pages(buffers[group], sources, destinations)
-        self.kv_pages = tuple(buffers)
+            if pooled:
+                buffers = copy_pool_pages(buffers, sources, destinations, group=group)
+            else:
+                buffers[group] = copy_pages(buffers[group], sources, destinations)
+        self.kv_pages = buffers if pooled else tuple(buffers)
 
     def reset_kv(self) -> None:
         self.kv_pages = self._new_kv_pages()
 
 
-def make_drafter(cfg: ModelConfig, drafting, numerics: str, page_size: int):
-    """The device drafter of a `Drafting` (agentjax/runner/drafters.py)."""
+def make_drafter(cfg: ModelConfig, drafting, numerics: str, page_size: int, kv_layout=None):
+    """The device drafter of a `Drafting` (agentjax/runner/drafters.py); with a "pool" `kv_layout`, over
+    its page tables (each with its tokens per page) and its kinds."""
     from agentjax.kv.cache_layout import kv_buffer_specs
     from agentjax.runner.drafters import DraftModelDrafter, MTPDrafter
 
     k = drafting.num_speculative_tokens
+    pooled = kv_layout is not None and kv_layout.mode == "pool"
+    sizes = kv_layout.tokens_per_page() if pooled else page_size
     if drafting.draft_cfg is None:
-        return MTPDrafter(cfg, k, numerics, page_size)
+        return MTPDrafter(cfg, k, numerics, sizes)
+    if pooled:
+        kinds = sum(1 for kind in kv_layout.kinds if kind.owner == 0)
+        tables = sum(1 for group in kv_layout.groups if group.owner == 0)
+        return DraftModelDrafter(cfg, drafting.draft_cfg, kinds, k, numerics, sizes, tables)
     return DraftModelDrafter(cfg, drafting.draft_cfg, len(kv_buffer_specs(cfg, page_size)), k, numerics, page_size)
 

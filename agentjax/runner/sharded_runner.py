@@ -20,6 +20,7 @@ import numpy as np
 from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import ParallelLayoutError
 from agentjax.kv.cache_layout import state_group_ids
+from agentjax.kv_buffers import KVPool
 from agentjax.ragged_batch import RaggedBatch, bucket
 from agentjax.runner.compilation_cache import enable_compilation_cache
 from agentjax.runner.model_runner import COPY_BUCKETS, ModelRunner
@@ -29,19 +30,19 @@ logger = logging.getLogger(__name__)
 
 
 def make_model_runner(cfg: ModelConfig, params, num_pages: int, engine_cfg: EngineConfig,
-                      drafting=None) -> ModelRunner:
+                      drafting=None, kv_layout=None) -> ModelRunner:
     """The runner an engine's settings ask for (after `sharding.mesh.check_layout`); `drafting` (a device
-    drafter of speculative decoding) runs on one device only."""
+    drafter of speculative decoding) runs on one device only; `kv_layout` places the KV memory."""
     from sharding.distributed import distributed_runner
 
     parallel = engine_cfg.parallel
     page_size = parallel.kv_page_tokens(engine_cfg.block_size)
     if parallel.is_single_device and engine_cfg.num_processes == 1:
         return ModelRunner(cfg, params, num_pages, page_size, engine_cfg.numerics, engine_cfg.logprobs_mode,
-                           drafting=drafting)
+                           drafting=drafting, kv_layout=kv_layout)
     check_engine_layout(cfg, engine_cfg)
     runner = ShardedModelRunner(cfg, params, num_pages, page_size, engine_cfg.numerics, engine_cfg.logprobs_mode,
-                                parallel=parallel)
+                                parallel=parallel, kv_layout=kv_layout)
     return distributed_runner(runner, engine_cfg)  # process 0 announces its calls to the others
 
 
@@ -60,7 +61,7 @@ class ShardedModelRunner(ModelRunner):
     """Owns the laid-out parameters and the per-device KV buffers; one shard_map step per call."""
 
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
-                 logprobs_mode: str = "raw_logprobs", *, parallel, devices=None):
+                 logprobs_mode: str = "raw_logprobs", *, parallel, devices=None, kv_layout=None):
         from sharding.mesh import build_mesh
         from sharding.modules import place_parameters, specs_of
         from sharding.step import ShardedStep
@@ -75,8 +76,14 @@ class ShardedModelRunner(ModelRunner):
         self.sharded = ShardedStep(cfg, parallel, self.mesh, numerics)
         self.params = place_parameters(params, self.sharded.plans, self.mesh)
         self.sharded.param_specs = specs_of(self.params)  # stored (quantised) weights shard part by part
-        self.kv_pages = self.sharded.new_kv_pages(num_pages, page_size)
-        self.state_groups = state_group_ids(cfg)
+        self.kv_layout = kv_layout
+        pooled = kv_layout is not None and kv_layout.mode == "pool"
+        if kv_layout is not None:
+            self.num_pages = num_pages = kv_layout.num_slabs
+        self.page_sizes = kv_layout.tokens_per_page() if pooled else page_size
+        self.kv_pages = self.sharded.new_kv_pages(num_pages, page_size, kv_layout)
+        self.state_groups = kv_layout.state_groups() if pooled else state_group_ids(cfg)
+        self.state_interval = kv_layout.state_interval() if kv_layout is not None else 0
         data_ranks = parallel.data_parallel_size
         self._steps = {g: self._sampling_step(g) for g in (True, False)} if data_ranks == 1 else {}
         self.compiled_shapes: set[tuple] = set()
@@ -114,14 +121,14 @@ class ShardedModelRunner(ModelRunner):
         ranks = self.parallel.data_parallel_size
         if len(rank_rows) != ranks:
             raise ParallelLayoutError(f"execute_ranks got {len(rank_rows)} ranks' rows, the layout has {ranks}")
-        groups = len(self.kv_pages)
+        groups = len(self.kv_layout.groups) if isinstance(self.kv_pages, KVPool) else len(self.kv_pages)
         dummy_row = ([0], 0, [[0] for _ in range(groups)])
         rows = [list(r) if r else [dummy_row] for r in rank_rows]
         sampling = [list(s) if r else [(0.0, 0, 1.0, 0, 0)] for r, s in zip(rank_rows, rank_sampling)]
         tokens_bucket = bucket(max(sum(len(row[0]) for row in r) for r in rows), _token_buckets())
         seqs_bucket = bucket(max(len(r) for r in rows), _seq_buckets())
-        batches = [RaggedBatch.build(r, self.page_size, state_groups=self.state_groups, token_buckets=(tokens_bucket,),
-                                     seq_buckets=(seqs_bucket,)) for r in rows]
+        batches = [RaggedBatch.build(r, self.page_sizes, state_groups=self.state_groups, token_buckets=(tokens_bucket,),
+                                     seq_buckets=(seqs_bucket,), state_interval=self.state_interval) for r in rows]
         batches = _common_page_tables(batches)
         greedy_only = all(s[0] == 0.0 for per_rank in sampling for s in per_rank)
         metas = [_sampling_metadata(s, seqs_bucket, self.cfg.vocab_size, greedy_only) for s in sampling]
@@ -137,7 +144,8 @@ class ShardedModelRunner(ModelRunner):
 
     def copy_pages(self, copies: Sequence[tuple[int, int, int]], rank: int = 0) -> None:
         """Page copies (see `ModelRunner.copy_pages`) on the devices of data rank `rank`."""
-        buffers = list(self.kv_pages)
+        pooled = isinstance(self.kv_pages, KVPool)
+        buffers = self.kv_pages if pooled else list(self.kv_pages)
         for group in sorted({c[0] for c in copies}):
             pairs = [(src, dst) for g, src, dst in copies if g == group]
             size = bucket(len(pairs), COPY_BUCKETS)
@@ -145,12 +153,15 @@ class ShardedModelRunner(ModelRunner):
             destinations = np.zeros(size, np.int32)
             sources[:len(pairs)], destinations[:len(pairs)] = zip(*pairs)
             on_devices = _data_rank_of_devices(self.parallel) == rank
-            buffers[group] = _copy_device_pages(buffers[group], *(self._global(a, None) for a in
-                                                                  (sources, destinations, on_devices)))
-        self.kv_pages = tuple(buffers)
+            arrays = tuple(self._global(a, None) for a in (sources, destinations, on_devices))
+            if pooled:
+                buffers = _copy_device_pool_pages(buffers, *arrays, group=group)
+            else:
+                buffers[group] = _copy_device_pages(buffers[group], *arrays)
+        self.kv_pages = buffers if pooled else tuple(buffers)
 
     def reset_kv(self) -> None:
-        self.kv_pages = self.sharded.new_kv_pages(self.num_pages, self.page_size)
+        self.kv_pages = self.sharded.new_kv_pages(self.num_pages, self.page_size, self.kv_layout)
 
     def _global(self, tree, role: str | None):
         """Host inputs as arrays over the mesh (split over `role` on their leading axis, or replicated).
@@ -198,10 +209,16 @@ def _seq_buckets():
 
 
 def _common_page_tables(batches: list[RaggedBatch]) -> list[RaggedBatch]:
-    """Pad every rank's page tables to the widest rank's (0-padded, like `RaggedBatch.build`)."""
+    """Pad every rank's page tables and state saves to the widest rank's (0-padded and past the tokens,
+    like `RaggedBatch.build`)."""
     widths = [max(b.page_indices[g].shape[1] for b in batches) for g in range(batches[0].num_groups)]
+    saves = max(len(b.state_save_tokens) for b in batches)
     return [b.replace(page_indices=tuple(np.pad(t, ((0, 0), (0, w - t.shape[1]))) for t, w in
-                                         zip(b.page_indices, widths))) for b in batches]
+                                         zip(b.page_indices, widths)),
+                      state_save_tokens=np.pad(b.state_save_tokens, (0, saves - len(b.state_save_tokens)),
+                                               constant_values=b.num_tokens),
+                      state_save_cols=np.pad(b.state_save_cols, (0, saves - len(b.state_save_cols))))
+            for b in batches]
 
 
 def _sampling_metadata(sampling, rows: int, vocab_size: int, greedy_only: bool) -> SamplingMetadata:
@@ -217,6 +234,19 @@ def _data_rank_of_devices(parallel) -> np.ndarray:
     """The data rank of each device, in the KV buffers' device order (the mesh's)."""
     sizes = parallel.axis_sizes
     return np.repeat(np.arange(sizes["data"]), parallel.num_devices // sizes["data"])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("group",))
+def _copy_device_pool_pages(pool: KVPool, sources, destinations, on_device, *, group: int) -> KVPool:
+    """`copy_pool_pages` on each device's part of a pool `[devices, ...]`, kept where `on_device[d]`."""
+    from agentjax.kv_buffers import move_pool_pages
+
+    def one(array):
+        return move_pool_pages(KVPool(array, pool.layout), sources, destinations, group=group).array
+
+    moved = jax.vmap(one)(pool.array)
+    keep = on_device.reshape(-1, *([1] * (pool.array.ndim - 1)))
+    return KVPool(jax.numpy.where(keep, moved, pool.array), pool.layout)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -91,7 +91,7 @@ class Scheduler:
         # Recurrent states are saved at these token boundaries: prefill chunks end on them.
         self.checkpoint_tokens = min((g.tokens_per_page for g in kv.plan.groups if g.spec.hit_rule == "checkpoint"),
                                      default=0)
-        self.watermark_blocks = int(watermark * kv.pool.num_pages)
+        self.watermark_blocks = int(watermark * (kv.capacity_units + 1))  # capacity units (pages of one size)
         self.running: list[Request] = []
         self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, arrival_index, request)
         self.step_index = 0
@@ -143,6 +143,8 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.forget(request.request_id)
         if holds_pages:
+            if request.num_computed_tokens > 0:  # the next turn may resume from where this one stopped
+                self.kv.end_turn(request.request_id, request.num_computed_tokens)
             self.kv.free(request.request_id)
 
     # -- one step --------------------------------------------------------------------------------
@@ -224,11 +226,18 @@ class Scheduler:
         return self.speculator.chain_tokens if samples_kept and self.speculator is not None else 0
 
     def _chunk(self, request: Request, count: int) -> int:
-        """End a prefill chunk on the last recurrent-state boundary inside it, so the state there is saved."""
+        """End a prefill chunk on the last recurrent-state boundary inside it, so the state there is saved,
+        or at the request's branch point (where its cached prefix ends: the KV manager saves a state there)."""
         interval = self.checkpoint_tokens
         start = request.num_computed_tokens
         end = start + count
-        if interval and end % interval and end // interval * interval > start:
+        if not interval:
+            return count
+        if request.state == RequestState.RUNNING:
+            branch = self.kv.branch_point(request.request_id)
+            if start < branch < end:
+                return branch - start
+        if end % interval and end // interval * interval > start:
             return end // interval * interval - start
         return count
 
@@ -288,6 +297,9 @@ class Scheduler:
         if self.config.trim_prefill_to_buckets:
             self._trim_to_bucket(out)
         for item in out.scheduled:
+            if self.checkpoint_tokens and item.is_prefill:  # the states at checkpoints inside the chunk
+                start = item.request.num_computed_tokens
+                self.kv.reserve_state_saves(item.request.request_id, start, start + item.num_new_tokens)
             item.page_tables = self.kv.block_ids(item.request.request_id)
         out.kv_copies = self.kv.take_pending_copies()
         if self.offload is not None:
@@ -368,8 +380,7 @@ class Scheduler:
         if not kv.can_allocate(tokens, request.cache_salt, num_reserved_tokens=reserved):
             request.num_computed_tokens = 0
             return 0
-        new_pages = -(-len(tokens) // kv.block_size) - hit // kv.block_size
-        if self.running and kv.num_free_blocks - new_pages < self.watermark_blocks:
+        if self.running and kv.num_free_blocks - kv.new_units(len(tokens), hit) < self.watermark_blocks:
             request.num_computed_tokens = 0
             return 0
         if not kv.allocate(request.request_id, tokens, request.cache_salt, num_reserved_tokens=reserved):
@@ -380,4 +391,4 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = cached
         request.state = RequestState.RUNNING
-        return count
+        return self._chunk(request, count) if self.checkpoint_tokens else count

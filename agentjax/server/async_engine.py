@@ -308,7 +308,14 @@ def _settle(future: asyncio.Future, value: Any) -> None:
 
 
 def _kv_capacity_tokens(engine: Any) -> int | None:
-    """How many tokens the engine's KV pool holds (pages times page size), if it says."""
+    """How many tokens one request may hold in the engine's KV pool (a data-parallel engine's: a rank's), by
+    the engine's own fit rule; for an engine without a KV manager, pages times page size if it says."""
+    rank = getattr(engine, "ranks", [engine])[0]
+    kv = getattr(rank, "kv", None)
+    if hasattr(kv, "max_pages_for") and isinstance(getattr(rank, "max_model_len", None), int):
+        from agentjax.request_fit import request_token_capacity
+
+        return request_token_capacity(kv, rank.max_model_len, rank.config.max_num_batched_tokens)
     pages = engine.stats().get("kv_total_blocks")
     block_size = getattr(getattr(engine, "config", None), "block_size", None)
     if isinstance(pages, int) and isinstance(block_size, int) and pages > 0:

@@ -149,12 +149,23 @@ def kv_capacity(engine) -> tuple[int, int, int, int]:
     from agentjax.runner.model_runner import kv_cache_bytes
 
     ranks = getattr(engine, "ranks", [engine])
-    pages = sum(rank.kv.pool.num_pages - 1 for rank in ranks)  # page 0 is the null page
     # tokens a page holds in the groups that keep a whole context (full attention, MLA latents): a page of
     # 128 tokens for MiniMax-M3, block_size x DCP ranks under decode context parallelism
-    page_tokens = next((group.tokens_per_page for group in ranks[0].kv.groups if group.group.spec.hit_rule == "prefix"),
-                       engine.config.parallel.kv_page_tokens(engine.config.block_size))
+    prefix = next((group for group in ranks[0].kv.groups if group.group.spec.hit_rule == "prefix"), None)
+    page_tokens = prefix.tokens_per_page if prefix is not None else \
+        engine.config.parallel.kv_page_tokens(engine.config.block_size)
+    pages = sum(_whole_context_pages(rank.kv, prefix) for rank in ranks)
     return pages * page_tokens, pages, page_tokens, kv_cache_bytes(engine.runner.kv_pages)
+
+
+def _whole_context_pages(kv, prefix) -> int:
+    """Pages of the whole-context group `prefix` the pool holds: one per page id of a shared pool (page 0 is
+    the null page), or, in a pool of slabs, that group's pages in every slab but the null one (the most it
+    holds when the other groups take none)."""
+    layout = getattr(kv, "layout", None)
+    if layout is None or layout.mode != "pool" or prefix is None:
+        return kv.pool.num_pages - 1
+    return (layout.num_slabs - 1) * layout.groups[prefix.group_id].pages_per_slab
 
 
 def ready_line(engine, name: str, model: str, host: str, port: int, seconds: float) -> str:

@@ -23,6 +23,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 ENGINE_COUNTERS = (
     ("agentjax:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_query_tokens"),
     ("agentjax:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hit_tokens"),
+    ("agentjax:prefix_cache_turn_end_hits", "Prompt tokens found in the prefix cache through the recurrent "
+     "state a previous turn ended with.", "prefix_turn_end_hit_tokens"),
     ("agentjax:prompt_tokens", "Prompt tokens processed (once for a request's n samples).",
      "prompt_tokens_total"),
     ("agentjax:prompt_tokens_computed", "Prompt tokens run through the model (not read from the prefix cache).",
@@ -33,9 +35,12 @@ ENGINE_COUNTERS = (
 ENGINE_GAUGES = (
     ("agentjax:num_requests_running", "Requests in the running batch.", "num_running"),
     ("agentjax:num_requests_waiting", "Requests waiting for admission.", "num_waiting"),
-    ("agentjax:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1).", "kv_usage"),
-    ("agentjax:kv_used_blocks", "KV pages in use (held by requests or pinned).", "kv_used_blocks"),
-    ("agentjax:kv_total_blocks", "KV pages in the pool.", "kv_total_blocks"),
+    ("agentjax:kv_cache_usage_perc", "Fraction of the KV memory in use (0 to 1; held by requests or pinned).",
+     "kv_usage"),
+    ("agentjax:kv_used_blocks", "KV memory in use, in pages (a pool layout: in pages of its smallest page group).",
+     "kv_used_blocks"),
+    ("agentjax:kv_total_blocks", "KV memory, in pages (a pool layout: in pages of its smallest page group).",
+     "kv_total_blocks"),
 )
 
 
@@ -61,11 +66,38 @@ class _EngineCollector:
         for name, help_text, key in ENGINE_COUNTERS:
             value = stats.get(key, self.server_counts.get(key, 0))
             yield CounterMetricFamily(name, help_text, value=float(value))
+        yield from kv_group_metrics(stats)
         yield cached_blocks_by_group(stats)
         if "kv_offload" in stats:
             yield from offload_metrics(stats["kv_offload"])
         if "spec_decode" in stats:
             yield from spec_decode_metrics(stats["spec_decode"])
+
+
+def kv_group_metrics(stats: dict):
+    """`agentjax:kv_group_*_bytes` gauges and `agentjax:prefix_cache_group_hits` counters from
+    `Engine.stats()["kv_groups"]`, labelled by page group (a data-parallel engine's ranks summed)."""
+    for key, help_text in (("used_bytes", "KV bytes a page group holds: running requests' pages and cached pages."),
+                           ("reserved_bytes", "KV bytes the memory layout sets aside for a page group.")):
+        family = GaugeMetricFamily(f"agentjax:kv_group_{key}", help_text, labels=["group"])
+        totals: dict[str, float] = {}
+        for rank in stats.get("ranks", [stats]):
+            for group in rank.get("kv_groups", ()):
+                totals[group["group"]] = totals.get(group["group"], 0.0) + group[key]
+        for group, value in totals.items():
+            family.add_metric([group], value)
+        yield family
+    hits = CounterMetricFamily("agentjax:prefix_cache_group_hits",
+                               "Prompt tokens a page group alone could serve from the prefix cache (a hit is "
+                               "the least over the groups: a group below the others is where hits are lost).",
+                               labels=["group"])
+    hit_totals: dict[str, float] = {}
+    for rank in stats.get("ranks", [stats]):
+        for group in rank.get("kv_groups", ()):
+            hit_totals[group["group"]] = hit_totals.get(group["group"], 0.0) + group.get("hit_tokens", 0)
+    for group, value in hit_totals.items():
+        hits.add_metric([group], value)
+    yield hits
 
 
 def cached_blocks_by_group(stats: dict) -> GaugeMetricFamily:

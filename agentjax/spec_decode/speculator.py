@@ -96,19 +96,19 @@ class Speculator:
         """A device drafter's proposal for the request as it is now (the engine calls this after a step)."""
         self.pending[request.request_id] = (request.num_tokens, drafts)
 
-    def offer_from_step(self, scheduled, drafts, page_size: int, groups) -> None:
+    def offer_from_step(self, scheduled, drafts, groups) -> None:
         """Keep each row's device drafts (`drafts [rows, k]`) for its request when the row's sample was kept:
         as many as the drafter proposed on the row's pages (a chained position past them read the null
         page). A draft model's draft j was read at position C - 1 + j for C computed tokens, an MTP draft
         j > 1 at C + j - 2 (draft 1 from the last computed position)."""
-        token_groups = [group.group_id for group in groups if group.spec.hit_rule != "checkpoint"]
+        token_groups = [group for group in groups if group.spec.hit_rule != "checkpoint"]
         shift = 1 if self.config.method == "mtp" else 0
         for row, item in enumerate(scheduled):
             request = item.request
             computed = request.num_computed_tokens
             if not request.allow_drafts or computed != request.num_tokens - 1:
                 continue  # a prompt chunk whose sample is dropped, or a request that takes no drafts
-            covered = min(len(item.page_tables[g]) for g in token_groups) * page_size
+            covered = min(len(item.page_tables[g.group_id]) * g.tokens_per_page for g in token_groups)
             count = min(self.num_speculative_tokens, covered - computed + shift)
             self.offer(request, [int(t) for t in drafts[row, :max(0, count)]])
 

@@ -69,18 +69,16 @@ def test_full_size_deepseek_v4_pro_matches_architectures_md():
     assert size.state_bytes_per_sequence == 0
 
 
-def test_deepseek_v4_pro_packed_layout_reports_its_page_size_and_the_padding_it_saves():
-    from agentjax.kv.layout import packed_layout, padding_report
-    from agentjax.kv.specs import plan_groups, specs_from_model_config
+def test_deepseek_v4_pro_pool_layout_packs_its_growing_kinds_into_one_128_token_page_group():
+    from agentjax.kv.layout import build_layout
 
-    plan = plan_groups(specs_from_model_config(preset_config("deepseek-v4-pro", abstract=True)), 256)
-    layout = packed_layout(plan, num_pages=1)
-    report = padding_report("deepseek-v4-pro", plan, tensor_alignment=576)  # fp8_ds_mla aligns tensors to 576 B
-    assert len(plan.groups) == 7 and layout.page_bytes == plan.page_bytes == 62_914_560
-    # one page id over every group: payload, packed (each group padded once), per-tensor (every layer padded)
-    assert (report.payload_bytes, report.packed_bytes, report.per_tensor_bytes) == (401_591_536, 440_401_920,
-                                                                                   509_623_488)
-    assert round(report.saving, 4) == 0.1358
+    layout = build_layout(preset_config("deepseek-v4-pro", abstract=True), 16, memory_bytes=100 * 2**30)
+    growing = [g for g in layout.groups if g.hit_rule == "prefix"]
+    assert len(growing) == 1 and growing[0].tokens_per_page == 128
+    # fp8_ds_mla entries and FP8 indexer keys (ARCHITECTURES.md): 30 CSA x (584/4 + 132/4) + 31 HCA x 584/128
+    assert layout.page_bytes(growing[0].group) == 128 * 30 * (146 + 33) + 31 * 584
+    # the window and compressor-input kinds keep 16-token pages of their own
+    assert {g.tokens_per_page for g in layout.groups if g.hit_rule == "window"} == {16}
 
 
 def test_tiny_dsv4_keeps_every_structural_feature():

@@ -200,8 +200,8 @@ def test_chunked_form_equals_the_recurrence_on_ragged_rows(chunk_size, strong_de
     beta = rng.uniform(size=(total, HEADS))
     states = rng.normal(size=(rows, HEADS, DIM, DIM)) * 0.3
     args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, states)]
-    chunked, chunked_states = kda.chunked_delta_rule(*args, jnp.asarray(cu), chunk_size)
-    recurrent, recurrent_states = kda.recurrent_delta_rule(*args, jnp.asarray(seq_ids), total)
+    chunked, chunked_states, _ = kda.chunked_delta_rule(*args, jnp.asarray(cu), chunk_size)
+    recurrent, recurrent_states, _ = kda.recurrent_delta_rule(*args, jnp.asarray(seq_ids), total)
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(recurrent), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(chunked_states), np.asarray(recurrent_states), atol=1e-5, rtol=1e-5)
 

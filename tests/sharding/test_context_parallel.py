@@ -84,4 +84,5 @@ def test_kv_manager_and_scheduler_count_the_effective_page():
     llm = LLM("preset:tiny-dense", block_size=4, num_kv_blocks=32, tensor_parallel_size=4,
               decode_context_parallel_size=4)
     assert llm.engine.kv.block_size == 16 and llm.engine.runner.page_size == 16
-    assert llm.engine.runner.kv_pages[0].shape[3] == 4
+    pool = llm.engine.runner.kv_pages  # the byte pool: a device's cell of a page holds its 4 of the 16 tokens
+    assert llm.engine.kv.layout.mode == "pool" and pool.layout.kind(0).cell_shape[0] == 4

@@ -157,7 +157,7 @@ class OffloadConnector:
         if self._attempted.get(request.request_id) == request.num_preemptions:
             return False
         deferred = self._deferred.get(request.request_id)
-        if deferred is not None and deferred[0] == request.num_preemptions and self.kv.pool.num_free < deferred[1]:
+        if deferred is not None and deferred[0] == request.num_preemptions and self.kv.pool.free_units() < deferred[1]:
             return False  # no room yet for the load it planned last time: planning again would not find any
         if held is not None:
             del self._held[request.request_id]
@@ -176,8 +176,9 @@ class OffloadConnector:
         if plan is None:
             return False
         transfers, device = plan
-        needed = len(transfers) + pool.count_free_among(device) + self.watermark
-        if needed > pool.num_free:
+        needed = pool.page_units([t.group for t in transfers], by_group=True) + pool.free_units_among(device) \
+            + self.watermark
+        if needed > pool.free_units():
             del self._attempted[request.request_id]  # no room to stage now: decide again once pages free up
             self._deferred[request.request_id] = (request.num_preemptions, needed)
             self.stats.add("load_deferred", "all")
@@ -191,7 +192,7 @@ class OffloadConnector:
     @property
     def watermark(self) -> int:
         """Free pages a load leaves for the running requests."""
-        return max(1, self.kv.pool.num_pages // 100)
+        return max(1, self.kv.pool.capacity_units() // 100)
 
     def plan_load(self, hashes: list, num_tokens: int, device_hit: int) -> tuple[list[PageTransfer], np.ndarray] | None:
         """The page transfers that extend a device hit of `device_hit` tokens (of a prompt of `num_tokens`
@@ -229,7 +230,7 @@ class OffloadConnector:
         and the pages to release once the load is done."""
         pool = self.kv.pool
         pool.touch(device)  # the hit's resident pages must outlive the load
-        staged = pool.allocate(len(transfers))
+        staged = pool.allocate_pages([transfer.group for transfer in transfers])
         for transfer, page in zip(transfers, staged.tolist()):
             transfer.page = page
         if self.host is not None:  # the host pages are in use again

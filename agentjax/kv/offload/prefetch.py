@@ -104,7 +104,8 @@ class SessionPrefetcher:
         transfers, device = plan
         order = pool.eviction_order
         pinned_free = order.num_pinned()[1] if hasattr(order, "num_pinned") else 0
-        if len(transfers) + pool.count_free_among(device) + connector.watermark > pool.num_free - pinned_free:
+        needed = pool.page_units([t.group for t in transfers], by_group=True) + pool.free_units_among(device)
+        if needed + connector.watermark > pool.free_units() - pool.count_units(pinned_free):
             connector.stats.add("prefetch_deferred", "all")  # only pinned pages left to take: keep them
             return "deferred"
         _, held = connector.start_load(owner, transfers, device)
