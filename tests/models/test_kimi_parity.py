@@ -141,7 +141,10 @@ def test_eight_interleaved_sessions_equal_the_plain_run(invariant_llm, plain_run
 
 @pytest.mark.slow
 def test_preemption_in_a_small_pool_keeps_tokens_exact(invariant_llm, plain_run):
-    engine = _engine(invariant_llm, num_kv_blocks=16)  # about two sessions' pages at a time
+    # The shared layout: 16 page ids hold about two sessions at a time. The byte pool gives these short
+    # sessions room enough never to preempt at any size they fit; its preemption under pressure is
+    # tests/test_engine_kv_layout.py::test_groups_trade_memory_under_pressure_and_the_tokens_stay_those_of_a_large_pool.
+    engine = _engine(invariant_llm, num_kv_blocks=16, kv_layout="shared")
     turns = _run_sessions(engine, list(range(NUM_SESSIONS)))
     assert engine.scheduler.num_preemptions > 0 and any(record.preempted for record in engine.step_log)
     assert _replies(turns) == plain_run
