@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
 from agentjax.request_fit import check_pool_fits
+from agentjax.runner.compile_counter import CompileCounter
 from agentjax.engine_extras import ExtrasTracker
 from agentjax.kv import KVCacheManager
 from agentjax.kv.policy_order import engine_eviction_order
@@ -105,6 +106,7 @@ class Engine:
                                    max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
+        self.compiles = CompileCounter()  # executables built by this engine's steps and warm-up
         self.step_log: deque[StepRecord] = deque(maxlen=engine_cfg.extra.get("step_log_size", 10_000))
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -240,6 +242,10 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        with self.compiles.counting():
+            return self._step()
+
+    def _step(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
         self._log(plan)
         if self.offload_worker is not None:  # page stores and loads, before this step's copies
@@ -405,6 +411,7 @@ class Engine:
             "requests_aborted": self.metrics.requests_aborted,
             "num_steps": self.num_steps,
             "compiled_shapes": len(self.runner.compiled_shapes),
+            "compiled_executables": self.compiles.executables,
             **({"spec_decode": self.speculator.stats.snapshot()} if self.speculator is not None else {}),
             **({"kv_offload": self.offload.snapshot()} if self.offload is not None else {}),
         }
