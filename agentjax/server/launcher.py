@@ -119,7 +119,7 @@ def warm_up_engine(engine, level: str) -> None:
         raise SystemExit(f"agentjax serve: ${WARMUP_ENV}={level!r} is not one of {', '.join(WARMUP_LEVELS)}")
     if level == "none":
         return
-    if not hasattr(engine, "compiles"):
+    if hasattr(engine, "ranks"):  # a DataParallelEngine
         logger.warning("warm-up skipped: it covers single-rank engines only (data_parallel_size > 1)")
         return
     from agentjax.runner.warmup import warm_up
