@@ -305,6 +305,10 @@ class EngineConfig:
     # whose own default picks the kernels on a GPU and the references on a CPU or under context
     # parallelism). See `model_config_for`.
     attention_impl: Literal["auto", "reference", "kernel"] = "auto"
+    # The quantisation an HF checkpoint must declare, by vLLM's `--quantization` names ("fp8",
+    # "deepseek_v4_fp8", "mxfp8", "modelopt_mxfp8", "modelopt_fp4", "compressed-tensors"); None: whatever
+    # its quantization_config says (checkpoints/quant_config.py). Quantised weights stay quantised.
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

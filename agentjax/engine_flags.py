@@ -36,6 +36,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.logprobs_mode,
         help="what log probabilities report (vLLM's names): the model's log probabilities or logits, before "
              "(raw) or after (processed) penalties, temperature and top-k/top-p")
+    add("--quantization", default=None, metavar="SCHEME",
+        choices=("fp8", "deepseek_v4_fp8", "mxfp8", "modelopt_mxfp8", "modelopt_fp4", "compressed-tensors"),
+        help="the quantisation the HF checkpoint must declare, by vLLM's names (fp8, deepseek_v4_fp8, mxfp8, "
+             "modelopt_mxfp8, modelopt_fp4, compressed-tensors; vLLM's short -q is --quiet here); default: "
+             "the checkpoint's quantization_config. Quantised weights stay quantised on the devices")
     add("--seed", type=int, default=_DEFAULTS.seed,
         help="base seed of requests that set none (request i of this process draws with seed + i)")
 

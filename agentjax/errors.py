@@ -29,6 +29,16 @@ class PromptTooLongError(InvalidRequestError):
     """A prompt (plus the tokens to generate) exceeds the model's context."""
 
 
+class TokenLimitError(PromptTooLongError):
+    """A text encodes to more tokens than its caller allows; `num_tokens` says how many (the ids
+    themselves were never built)."""
+
+    def __init__(self, num_tokens: int, limit: int):
+        super().__init__(f"the text encodes to {num_tokens} tokens, over the limit of {limit}")
+        self.num_tokens = num_tokens
+        self.limit = limit
+
+
 class OutOfPagesError(AgentjaxError):
     """The KV pool has too few free pages for a request. `cause`: "prompt" or "max_tokens" when one of
     them is why a request can never fit, else None."""
@@ -40,6 +50,10 @@ class OutOfPagesError(AgentjaxError):
 
 class ModelConfigError(ModelLoadError):
     """A model's config lacks a field the loader needs, or holds a value outside the allowed range."""
+
+
+class InsufficientMemoryError(ModelLoadError):
+    """The weights and KV pages of a layout do not fit the memory of the devices present."""
 
 
 class TensorMismatchError(ModelLoadError):
@@ -69,3 +83,7 @@ class ParallelLayoutError(AgentjaxError, ValueError):
 class SpeculativeConfigError(AgentjaxError, ValueError):
     """`speculative_config` names an unknown method, an out-of-range setting, or a method this model or
     layout cannot run."""
+
+
+class ServerConfigError(AgentjaxError, ValueError):
+    """`agentjax serve` (or `router`) was given an unreadable or malformed keys file, or keys that conflict."""

@@ -72,7 +72,9 @@ class LLM:
             from sharding.distributed import initialize
 
             initialize(self.engine_config)  # before any device is used
-        self.model_config, self.params, self.tokenizer = load_model(model, dtype=dtype, gguf_blocks=gguf_blocks)
+        self.model_config, self.params, self.tokenizer = load_model(
+            model, dtype=dtype, gguf_blocks=gguf_blocks, quantization=self.engine_config.quantization,
+            engine_config=self.engine_config)
         self.engine = make_engine(self.model_config, self.params, self.engine_config, self.tokenizer)
 
     def _require_tokenizer(self, what: str) -> None:

@@ -38,12 +38,34 @@ def read_config(directory: Path) -> dict[str, Any]:
     return raw
 
 
+def quant_scheme(directory: str | Path, quantization: str | None = None):
+    """The checkpoint's quantisation scheme (checkpoints/quant_config.py; None for float weights), checked
+    against a `--quantization` option (vLLM's names; None or "auto": whatever the checkpoint declares)."""
+    from checkpoints.quant_config import QUANTIZATION_OPTIONS, read_scheme
+
+    directory = Path(directory)
+    if quantization not in (None, "auto", *QUANTIZATION_OPTIONS):
+        raise ModelConfigError(f"--quantization {quantization!r} is not supported; choose one of "
+                               f"{', '.join(QUANTIZATION_OPTIONS)} (or leave it out)")
+    scheme = read_scheme(read_config(directory), directory)
+    if scheme is None:
+        if quantization not in (None, "auto"):
+            raise ModelConfigError(f"--quantization {quantization} needs a quantised checkpoint; {directory} declares "
+                                   f"no quantization_config (agentjax does not quantise float weights at load)")
+        return None
+    scheme.check_option(quantization)
+    return scheme
+
+
 def family_and_config(directory: str | Path) -> tuple[HFFamily, ModelConfig]:
     """The family of an HF directory (found from config.json) and its `ModelConfig`."""
     directory = Path(directory)
     raw = read_config(directory)
     source = str(directory / "config.json")
     family = family_for(raw, source)
+    from checkpoints.quant_config import read_scheme
+
+    read_scheme(raw, directory)  # a malformed or unsupported quantization_config is named here
     try:
         cfg = family.model_config(ConfigFields(raw, source))
     except InvalidRequestError as exc:  # ModelConfig's own consistency checks
@@ -52,18 +74,22 @@ def family_and_config(directory: str | Path) -> tuple[HFFamily, ModelConfig]:
 
 
 def load_hf(
-    directory: str | Path, expected_shapes: ExpectedShapes | None = None
+    directory: str | Path, expected_shapes: ExpectedShapes | None = None, *, quantization: str | None = None,
+    lazy: bool = False,
 ) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:
     """`(config, flat float32 arrays, tokenizer or None)` from an HF directory.
 
     `expected_shapes(cfg)` gives the model's `{parameter name: shape}`; with it, the arrays are
     checked all at once (missing, wrongly shaped and unexpected tensors in one error). Without
-    it, only tensors that no parameter is made from are reported.
+    it, only tensors that no parameter is made from are reported. Quantised checkpoints are decoded
+    to float32; with `lazy`, the values are recipes instead (checkpoints/lazy_tensors.py, quantised
+    matrices as `LazyQuant`) and no tensor data is read (quantisation scales aside) until asked for.
     """
     directory = Path(directory)
+    scheme = quant_scheme(directory, quantization)
     family, cfg = family_and_config(directory)
     expected = dict(expected_shapes(cfg)) if expected_shapes is not None else None
-    tensors = HFTensors.open(directory, expected)
+    tensors = HFTensors.open(directory, expected, scheme=scheme, lazy=lazy)
     arrays = family.convert_tensors(cfg, tensors)
     where = f"HF checkpoint {directory} ({family.name} family)"
     if expected is not None:

@@ -3,8 +3,11 @@
 `HFTensors.open(directory)` reads every safetensors header (through the index file when there is
 one) and fails on a truncated or corrupt file before any data is read. A family `take`s the
 tensors it converts and `ignore`s the ones it knowingly drops; whatever it neither took nor
-ignored is reported as unexpected. `rename_tensors` converts the common one-tensor-per-parameter
-case from a table of name patterns. Host only: never imports jax.
+ignored is reported as unexpected. With a quantisation scheme (checkpoints/quant_config.py) a
+quantised matrix is taken by its `.weight` name together with its scales. `lazy=True` hands out
+recipes (checkpoints/lazy_tensors.py) that read their bytes only when a region is asked for; else
+`take` returns float32 host copies (quantised matrices decoded). `rename_tensors` converts the common
+one-tensor-per-parameter case from a table of name patterns. Host only: never imports jax.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from agentjax.errors import CorruptCheckpointError, ModelLoadError, TensorMismat
 from checkpoints.safetensors_reader import TensorEntry, read_header, read_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
+# Tensors stored beside a quantised matrix's `.weight` (see checkpoints/quant_config.py).
+COMPANIONS = ("weight_packed", "weight_scale", "weight_scale_inv", "scale", "weight_scale_2", "input_scale")
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -37,17 +42,28 @@ def safetensors_files(directory: Path) -> list[Path]:
         raise CorruptCheckpointError(f"{index_path} is not a safetensors index ({exc!r})") from None
     absent = [f.name for f in files if not f.is_file()]
     if absent:
-        raise ModelLoadError(f"{index_path} names weight files that {directory} lacks: {', '.join(absent)}")
+        named = sorted(t for t, f in weight_map.items() if f in absent)
+        raise ModelLoadError(f"{index_path} names weight files that {directory} lacks: {', '.join(absent)} "
+                             f"(holding {len(named)} tensors, e.g. {', '.join(named[:3])})")
     return files
+
+
+def contiguous(array):
+    """`np.ascontiguousarray` for host arrays; a lazy recipe (checkpoints/lazy_tensors.py) stays a recipe."""
+    return array if hasattr(array, "read") or hasattr(array, "codec") else np.ascontiguousarray(array)
 
 
 class HFTensors:
     """Every tensor of a directory by HF name; tracks which ones a family took or ignored."""
 
     def __init__(self, entries: Mapping[str, TensorEntry], where: str,
-                 expected: Mapping[str, tuple[int, ...]] | None = None):
+                 expected: Mapping[str, tuple[int, ...]] | None = None, scheme=None, lazy: bool = False):
         self.entries = dict(entries)
         self.where = where
+        self.scheme, self.lazy = scheme, lazy
+        # a quantised matrix by its `.weight` name (compressed-tensors stores `.weight_packed`)
+        self.virtual = {name.removesuffix("_packed"): entry for name, entry in self.entries.items()
+                        if scheme is not None and name.endswith(".weight_packed")}
         # The model's parameter shapes by agentjax name, when the loader knows them.
         self.expected = expected
         self.taken: set[str] = set()
@@ -56,7 +72,8 @@ class HFTensors:
         self.origins: dict[str, str] = {}
 
     @classmethod
-    def open(cls, directory: str | Path, expected: Mapping[str, tuple[int, ...]] | None = None) -> "HFTensors":
+    def open(cls, directory: str | Path, expected: Mapping[str, tuple[int, ...]] | None = None, scheme=None,
+             lazy: bool = False) -> "HFTensors":
         directory = Path(directory)
         entries: dict[str, TensorEntry] = {}
         for file in safetensors_files(directory):
@@ -66,17 +83,24 @@ class HFTensors:
                         f"tensor {name!r} appears in both {entries[name].file.name} and {file.name}"
                     )
                 entries[name] = entry
-        return cls(entries, str(directory), expected)
+        return cls(entries, str(directory), expected, scheme, lazy)
 
     @property
     def names(self) -> list[str]:
         return sorted(self.entries)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.entries
+        return name in self.entries or name in self.virtual
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._entry(name).shape
+        quant = self._quantized(name)
+        return quant.shape if quant is not None else self._entry(name).shape
+
+    def _quantized(self, name: str):
+        """The parts of a quantised matrix taken by its `.weight` name (None: a plain tensor)."""
+        if self.scheme is None or not name.endswith(".weight") or name not in self:
+            return None
+        return self.scheme.quantized(name.removesuffix(".weight"), self.entries)
 
     def _entry(self, name: str) -> TensorEntry:
         if name not in self.entries:
@@ -87,19 +111,38 @@ class HFTensors:
     def take(self, name: str, *, shape: Sequence[int] | None = None, param: str | None = None) -> np.ndarray:
         """The tensor as a float32 host copy. `shape` (when given) is checked first; `param` names
         the agentjax parameter it becomes, for later messages."""
-        entry = self._entry(name)
-        if shape is not None and entry.shape != tuple(shape):
+        quant = self._quantized(name)
+        entry = quant.values if quant is not None else self._entry(name)
+        if self.scheme is None and name.endswith(".weight") and entry.dtype.itemsize == 1:
+            raise TensorMismatchError(f"tensor {name!r} in {entry.file} is stored as {entry.dtype} (a quantised "
+                                      f"matrix) but {self.where}/config.json declares no quantization_config")
+        found = quant.shape if quant is not None else entry.shape
+        if shape is not None and found != tuple(shape):
             raise TensorMismatchError(
-                f"tensor {name!r} in {entry.file} has shape {entry.shape}, the model expects {tuple(shape)}"
+                f"tensor {name!r} in {entry.file} has shape {found}, the model expects {tuple(shape)}"
             )
-        self.taken.add(name)
+        self.taken.update([name] if quant is None else [e.name for e in quant.entries])
         if param is not None:
             self.origins[param] = name
+        if quant is not None:
+            from checkpoints.lazy_quant import LazyQuant, global_scale_of
+            from checkpoints.lazy_tensors import Source
+
+            glob = None if quant.global_scale is None else global_scale_of(Source(quant.global_scale).materialize())
+            lazy = LazyQuant(Source(quant.values), Source(quant.scales), glob, quant.codec, quant.shape, name)
+            return lazy if self.lazy else np.asarray(lazy)
+        if self.lazy:
+            from checkpoints.lazy_tensors import Source
+
+            return Source(entry)
         return np.array(read_tensor(entry), dtype=np.float32)  # a copy: never tied to the file
 
     def ignore(self, *names: str) -> None:
-        """Mark tensors the family knowingly drops (absent names are fine)."""
-        self.ignored.update(n for n in names if n in self.entries)
+        """Mark tensors the family knowingly drops (absent names are fine); a matrix's scales go with it."""
+        for name in names:
+            base = name.removesuffix(".weight")
+            parts = [name] + ([f"{base}.{s}" for s in COMPANIONS] if name.endswith(".weight") else [])
+            self.ignored.update(n for n in parts if n in self.entries)
 
     def ignore_matching(self, pattern: str) -> None:
         """Mark every tensor whose name matches the regular expression `pattern` as dropped."""
@@ -157,7 +200,7 @@ def rename_tensors(tensors: HFTensors, rules: Sequence[Rename], family: str) -> 
     def convert(rule: Rename, hf_name: str, param: str) -> np.ndarray:
         array = tensors.take(hf_name, param=param)
         if rule.transpose:
-            array = np.ascontiguousarray(array.T)
+            array = contiguous(array.T)
         return rule.convert(array) if rule.convert else array
 
     arrays: dict[str, np.ndarray] = {}

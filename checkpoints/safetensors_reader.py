@@ -26,7 +26,7 @@ def _numpy_dtypes() -> dict[str, np.dtype]:
     return {
         "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
         "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-        "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+        "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
         "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
         "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
     }

@@ -18,7 +18,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from agentjax.errors import TokenizerError
+from agentjax.errors import TokenizerError, TokenLimitError
 from checkpoints.chat_template import END_OF_TURN_TOKENS, ChatTemplate, builtin_chat_template
 from checkpoints.gguf_file import parse_metadata
 
@@ -269,12 +269,18 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self._tokens[token_id]
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, BOS first when the model asks for it."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self._bos_token_id is not None:
-            return [self._bos_token_id, *ids]
-        return ids
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, BOS first when the model asks for it. Over
+        `max_tokens` ids, `TokenLimitError` (with the count) before any Python list is built.
+
+        `encode_batch` releases the GIL while it encodes (`encode` holds it): a long prompt tokenized
+        on a server's worker thread then leaves the event loop free."""
+        encoding = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        bos = add_special_tokens and self.add_bos_token and self._bos_token_id is not None
+        if max_tokens is not None and len(encoding) + bos > max_tokens:
+            raise TokenLimitError(len(encoding) + bos, max_tokens)
+        ids = encoding.ids
+        return [self._bos_token_id, *ids] if bos else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -289,13 +295,15 @@ class Tokenizer:
                                          add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> list[int]:
-        """Token ids of the chat prompt; BOS is added only if the template did not write it."""
+                    tools: Sequence[Mapping[str, Any]] | None = None, max_tokens: int | None = None,
+                    **kwargs: Any) -> list[int]:
+        """Token ids of the chat prompt; BOS is added only if the template did not write it. Over
+        `max_tokens`, `TokenLimitError` (see `encode`)."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                         tools=tools, **kwargs)
         bos_token = self.special_tokens["bos_token"]
         template_wrote_bos = bos_token is not None and text.startswith(bos_token)
-        return self.encode(text, add_special_tokens=not template_wrote_bos)
+        return self.encode(text, add_special_tokens=not template_wrote_bos, max_tokens=max_tokens)
 
 
 class IncrementalDetokenizer:

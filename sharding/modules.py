@@ -16,6 +16,7 @@ from flax import nnx
 from agentjax.errors import ParallelLayoutError
 from agentjax.models.layers import Linear
 from agentjax.models.moe import GatedFeedForward, RoutedExperts, _weighted_sum
+from agentjax.models.quantized import take_experts
 from agentjax.numerics import dense, map_row_blocks
 from sharding import collectives
 from sharding.layouts import ParamPlan, local_model_config, plan_parameters
@@ -204,8 +205,8 @@ class ExpertParallelExperts(RoutedExperts):
 
     def _pairs(self, rows, ids):
         """Each row against its k gathered local experts: the single-device `_gathered` before its sum."""
-        gate_up = jnp.einsum("bd,bkdn->bkn", rows, self.gate_up_proj[...][ids])
-        return jnp.einsum("bki,bkid->bkd", self.activation.on_fused(gate_up), self.down_proj[...][ids])
+        gate_up = jnp.einsum("bd,bkdn->bkn", rows, take_experts(self.gate_up_proj.get_value(), ids))
+        return jnp.einsum("bki,bkid->bkd", self.activation.on_fused(gate_up), take_experts(self.down_proj.get_value(), ids))
 
 
 def _get(root, path: tuple):
@@ -290,6 +291,11 @@ def build_local_model(cfg, parallel: ParallelConfig, numerics: str, *, attention
     return graphdef, state, plans
 
 
+def specs_of(params):
+    """The PartitionSpec of every array of placed parameters (a StoredWeight's parts each their own)."""
+    return jax.tree.map(lambda leaf: leaf.sharding.spec, params)
+
+
 def local_specs(state, plans: dict):
     """The PartitionSpec of each parameter, as a state-shaped pytree (shard_map's in_specs)."""
     from jax.sharding import PartitionSpec
@@ -299,9 +305,19 @@ def local_specs(state, plans: dict):
     return nnx.from_flat_state(flat)
 
 
+def _placed_on(value, mesh) -> bool:
+    """Every array of a parameter (a StoredWeight's parts too) already sharded over `mesh`."""
+    from jax.sharding import NamedSharding
+
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
+                                and leaf.sharding.mesh == mesh for leaf in leaves)
+
+
 def place_parameters(params, plans: dict, mesh):
     """The single-device parameters laid out over `mesh` (transformed on the host where a layout
-    repeats heads or interleaves gate|up halves), built shard by shard so every process supplies its own."""
+    repeats heads or interleaves gate|up halves), built shard by shard so every process supplies its own.
+    Parameters already laid out over `mesh` (a streamed checkpoint, sharding/streaming_load.py) stay."""
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -309,6 +325,9 @@ def place_parameters(params, plans: dict, mesh):
     for path, variable in nnx.to_flat_state(params):
         if path not in plans:
             continue  # MTP modules: loaded with the model, not run by the step
+        if _placed_on(variable.get_value(), mesh):
+            flat.append((path, variable))
+            continue
         plan = plans[path]
         value = plan.place(np.asarray(jax.device_get(variable.get_value())))
         sharding = NamedSharding(mesh, PartitionSpec(*plan.spec))

@@ -100,6 +100,6 @@ def test_served_model_name_and_api_key_flags(monkeypatch):
     from agentjax.server.launcher import served_model_name
 
     args = build_parser().parse_args(["serve", "--served-model-name", "claude-sonnet", "--api-key", "k"])
-    assert served_model_name(args) == "claude-sonnet" and args.api_key == "k"
+    assert served_model_name(args) == "claude-sonnet" and args.api_key == ["k"]
     monkeypatch.setenv("AGENTJAX_API_KEY", "from-env")
     assert build_parser().parse_args(["serve"]).api_key is None  # the env is read at start, not in --help

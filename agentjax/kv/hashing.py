@@ -39,6 +39,15 @@ def root_hash(cache_salt: str | None = None, extra_keys: Sequence[str | int] = (
 ROOT_HASH = root_hash()
 
 
+def namespaced_salt(namespace: str | None, cache_salt: str | None) -> str | None:
+    """The salt a request's blocks are hashed under: its tenant's cache namespace, then its own
+    `cache_salt`. None namespace (a server without keys) leaves the salt as it is. A request's own
+    salt never holds NUL (the server rejects it), so no request salt can spell another tenant's."""
+    if namespace is None:
+        return cache_salt
+    return f"\x00tenant\x00{namespace}\x00{cache_salt or ''}"
+
+
 def tokens_as_uint32(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """A little-endian uint32 copy of the token ids (the bytes that are hashed)."""
     if isinstance(token_ids, np.ndarray):

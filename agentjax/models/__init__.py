@@ -4,7 +4,9 @@
 "preset:NAME", a GGUF file or an HF directory, and returns `(ModelConfig, params, tokenizer)`.
 Every checkpoint is read and checked on the host before any weight is placed on the device.
 Converted GGUF models are cached with orbax (checksums verified on restore), so a second start
-skips dequantisation.
+skips dequantisation. HF directories stream (sharding/streaming_load.py): each device's shard of
+each parameter is read straight into device memory, laid out as the engine's layout asks, with
+quantised matrices kept in their checkpoint's format (agentjax/models/quantized.py).
 """
 from __future__ import annotations
 
@@ -99,30 +101,49 @@ def resolve_model_path(spec: str | None) -> Path | None:
     return path
 
 
+def load_hf_streaming(path: Path, dtype: str, quantization: str | None = None, engine_config=None,
+                      progress: bool = True) -> tuple[ModelConfig, Any, Any]:
+    """An HF directory read straight into device arrays: laid out by `engine_config`'s parallel layout
+    (on one device without one), after a check that its weights and KV fit the devices present."""
+    from agentjax.models.params import expected_shapes
+    from checkpoints.hf import load_hf
+    from sharding.memory_check import kv_bytes_per_device
+    from sharding.streaming_load import load_params
+
+    cfg, recipes, tokenizer = load_hf(path, expected_shapes, quantization=quantization, lazy=True)
+    cfg = cfg.replace(dtype=dtype)
+    parallel = engine_config.parallel if engine_config is not None else None
+    numerics = engine_config.numerics if engine_config is not None else "fast"
+    kv_bytes = kv_bytes_per_device(cfg, engine_config) if engine_config is not None else 0
+    started = time.perf_counter()
+    params = load_params(cfg, recipes, parallel=parallel, numerics=numerics, kv_bytes=kv_bytes, progress=progress)
+    logger.info("streamed %s in %.1fs", path, time.perf_counter() - started)
+    return cfg, params, tokenizer
+
+
 def load_model(
     spec: str | None = None, *, dtype: str = "float32", use_cache: bool = True, seed: int = 0,
-    gguf_blocks: bool | None = None,
+    gguf_blocks: bool | None = None, quantization: str | None = None, engine_config=None,
 ) -> tuple[ModelConfig, Any, Any]:
     """`(config, params, tokenizer)` for a model spec; params are an `nnx.State` on the device.
 
     `gguf_blocks`: keep a GGUF file's Q4_0, Q4_1 and Q8_0 matrices in their blocks on the device and
     dequantise them inside the step (the same float32 weights, a quarter of the bytes read; see
     agentjax.models.block_weights). The default (None) keeps them in float32 models, where the weights
-    are bit-identical; other dtypes convert at load."""
+    are bit-identical; other dtypes convert at load. `quantization` checks an HF checkpoint's scheme by
+    vLLM's `--quantization` names (checkpoints/quant_config.py); `engine_config` (an EngineConfig) lays
+    an HF checkpoint out for its parallel layout while it is read and sizes the memory check's KV."""
     from checkpoints.embedded import smollm2_path
 
     path = resolve_model_path(spec)
     if path is None:
         cfg = preset_config(spec.removeprefix("preset:")).replace(dtype=dtype)
         return cfg, random_params(cfg, seed), _tokenizer_from_gguf(smollm2_path())
-    if path.is_dir():
-        from agentjax.models.params import expected_shapes
-        from checkpoints.hf import load_hf
-
-        with Heartbeat(logger, f"reading and converting the HF checkpoint {path}", doing=f"reading {path}") as beat:
-            cfg, arrays, tokenizer = load_hf(path, expected_shapes)  # every check runs here, on the host
-        logger.info("read %s: %d tensors in %.1f s", path, len(arrays), beat.elapsed)
-    elif path.suffix == ".gguf":
+    if quantization not in (None, "auto") and not path.is_dir():
+        raise ModelLoadError(f"--quantization {quantization} applies to HF checkpoint directories, not {path}")
+    if path.is_dir():  # every check runs on the host before the first read
+        return load_hf_streaming(path, dtype, quantization, engine_config)
+    if path.suffix == ".gguf":
         keep_blocks = dtype == "float32" if gguf_blocks is None else gguf_blocks
         cfg, arrays = _load_gguf_cached(path, use_cache, keep_blocks)
         tokenizer = _tokenizer_from_gguf(path)

@@ -123,7 +123,10 @@ class BlockWeight:
 
 
 def take_rows(table, ids: Int[Array, " n"]) -> Float[Array, "n dim"]:
-    """Rows `ids` of an embedding table (an array or a BlockWeight blocked along its rows)."""
+    """Rows `ids` of an embedding table (an array, a BlockWeight blocked along its rows, or a checkpoint's
+    stored weight: agentjax.models.quantized)."""
+    if hasattr(table, "take_rows"):
+        return table.take_rows(ids)
     if not isinstance(table, BlockWeight):
         return jnp.take(table, ids, axis=0)
     if table.axis != -1:
@@ -136,6 +139,7 @@ def project(x: Float[Array, "rows k"], weight, numerics: str, *, transposed: boo
     """`x @ weight` (`x @ weight.T` with `transposed`: a tied embedding [n, k]). A BlockWeight with more
     output columns than `HEAD_CHUNK_ROWS` (an LM head) is dequantised that many columns at a time."""
     if not isinstance(weight, BlockWeight):
+        weight = weight[...]  # a stored weight (agentjax.models.quantized) decodes here
         return dense(x, weight.T if transposed else weight, numerics)
     out_axis = -2 if transposed else -1
 

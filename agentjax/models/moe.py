@@ -69,6 +69,7 @@ from agentjax import kernels
 from agentjax.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from agentjax.models.activations import GatedActivation
 from agentjax.models.layers import dense, map_row_blocks
+from agentjax.models.quantized import grouped_operand, take_experts
 
 # Router scores from logits (names as HF configs spell them).
 SCORING_FUNCTIONS = {
@@ -259,10 +260,13 @@ class RoutedExperts(nnx.Module):
         pair_rows = x[order // k]
         if isinstance(self.impl, str) and kernels.resolve_attention_impl(self.impl) == "kernel":
             matmul = functools.partial(kernels.grouped_matmul, impl="kernel")
+            # FP8 experts reach the kernel as FP8 (agentjax.models.quantized); other stored formats decode here
+            gate_up_weights, down_weights = (grouped_operand(p.get_value()) for p in (self.gate_up_proj, self.down_proj))
         else:  # "reference"
             matmul = jax.lax.ragged_dot
-        gate_up = matmul(pair_rows, self.gate_up_proj[...], group_sizes)
-        out_sorted = matmul(self.activation.on_fused(gate_up), self.down_proj[...], group_sizes)
+            gate_up_weights, down_weights = self.gate_up_proj[...], self.down_proj[...]
+        gate_up = matmul(pair_rows, gate_up_weights, group_sizes)
+        out_sorted = matmul(self.activation.on_fused(gate_up), down_weights, group_sizes)
         per_pair = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
         return _weighted_sum(per_pair.reshape(tokens, k, -1), weights)
 
@@ -271,8 +275,9 @@ class RoutedExperts(nnx.Module):
         padding row (id `num_experts`, weight 0) still multiplies inside its fixed row block: the block's
         shape is what keeps a row's arithmetic independent of the batch."""
         expert_ids = jnp.minimum(expert_ids, self.num_experts - 1)
-        gate_up = jnp.einsum("bd,bkdn->bkn", x, self.gate_up_proj[...][expert_ids])
-        per_pair = jnp.einsum("bki,bkid->bkd", self.activation.on_fused(gate_up), self.down_proj[...][expert_ids])
+        gate_up = jnp.einsum("bd,bkdn->bkn", x, take_experts(self.gate_up_proj.get_value(), expert_ids))
+        per_pair = jnp.einsum("bki,bkid->bkd", self.activation.on_fused(gate_up),
+                              take_experts(self.down_proj.get_value(), expert_ids))
         return _weighted_sum(per_pair, weights)
 
 

@@ -50,8 +50,12 @@ class HealthMonitor:
     """Polls the replicas in the background (`start` / `stop`), or once (`check_all`)."""
 
     def __init__(self, replicas: Sequence[Replica], client: httpx.AsyncClient, interval_s: float = 1.0,
-                 timeout_s: float = 2.0, unhealthy_after: int = 2, poll_kv_events: bool = True) -> None:
+                 timeout_s: float = 2.0, unhealthy_after: int = 2, poll_kv_events: bool = True,
+                 headers: dict[str, str] | None = None) -> None:
+        """`headers` go with every check (the router's operator key: replicas with keys need it for
+        `/metrics` and `/kv/events`)."""
         self.replicas = list(replicas)
+        self.headers = dict(headers or {})
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -77,11 +81,11 @@ class HealthMonitor:
 
     async def check(self, replica: Replica) -> None:
         try:
-            answer = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
+            answer = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s, headers=self.headers)
             if answer.status_code != 200:
                 raise httpx.HTTPStatusError(f"/health answered {answer.status_code}", request=answer.request,
                                             response=answer)
-            metrics = await self.client.get(f"{replica.url}/metrics", timeout=self.timeout_s)
+            metrics = await self.client.get(f"{replica.url}/metrics", timeout=self.timeout_s, headers=self.headers)
             load = reported_load(metrics.text) if metrics.status_code == 200 else None
             if metrics.status_code == 200:
                 replica.shared_tier_degraded = reported_shared_tier_degraded(metrics.text)
@@ -104,13 +108,20 @@ class HealthMonitor:
             if index.epoch:
                 params["epoch"] = index.epoch
             try:
-                answer = await self.client.get(f"{replica.url}/kv/events", params=params, timeout=self.timeout_s)
+                answer = await self.client.get(f"{replica.url}/kv/events", params=params, timeout=self.timeout_s,
+                                               headers=self.headers)
             except httpx.HTTPError as error:
                 logger.debug("kv events of %s: %s", replica.url, error)
                 return
             if answer.status_code == 404:
                 index.available = False
                 logger.info("%s publishes no KV events: the prefix policy scores it 0", replica.url)
+                return
+            if answer.status_code in (401, 403):
+                if not index.refused:
+                    logger.warning("%s refuses the router's KV event polls (%d): start the router with the "
+                                   "replicas' --operator-key for prefix routing", replica.url, answer.status_code)
+                index.refused = True
                 return
             if answer.status_code != 200:
                 return

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from agentjax.router.policies import POLICIES
+from agentjax.server.tenancy import OPERATOR_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     add("--kv-transfer-timeout", type=float, default=120.0,
         help="seconds to wait for a P/D prefill step or a migration's prefetch (the P/D request falls back to "
              "one replica beyond it)")
+    add("--operator-key", default=os.environ.get(OPERATOR_KEY_ENV), metavar="KEY",
+        help="the replicas' operator key: the router's health, metrics, KV event and prompt hash calls send it "
+             "(replicas with keys answer those only to an operator), and the router's own /metrics and "
+             f"/router/* routes then need it (default: ${OPERATOR_KEY_ENV}, else none)")
 
 
 def default_policy(args: argparse.Namespace) -> str:
@@ -73,7 +79,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     policy = make_policy(default_policy(args), replicas, args.max_imbalance)
     router = Router(replicas, policy, upstream_timeout_s=args.upstream_timeout,
                     health_interval_s=args.health_interval, unhealthy_after=args.unhealthy_after,
-                    kv_transfer_timeout_s=args.kv_transfer_timeout, migration_min_gap_s=args.migration_min_gap)
+                    kv_transfer_timeout_s=args.kv_transfer_timeout, migration_min_gap_s=args.migration_min_gap,
+                    operator_key=args.operator_key)
     policy_name = default_policy(args)
 
     def ready() -> None:

@@ -65,7 +65,7 @@ class SessionMigrator:
                             source.url, failure.detail)
         try:
             done = await self.transfers.prefill(target, routing, headers, store=False,
-                                                session_id=routing.session_id)
+                                                session_id=routing.client_session_id)
         except KVTransferFailed as failure:
             self.metrics.kv_migrations.labels(reason, "failed").inc()
             logger.warning("migration of session %s to %s: the prefetch failed (%s); its next turn computes "

@@ -28,6 +28,7 @@ class PrefixIndex:
         self.hashes_per_page = 1
         self.hit_rule = "prefix"
         self.available = True  # False once the replica answered 404 (it keeps no events)
+        self.refused = False  # the replica answered 401/403: the router lacks its operator key (warned once)
 
     def apply(self, answer: dict) -> None:
         """One `GET /kv/events` answer."""

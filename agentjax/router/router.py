@@ -9,12 +9,17 @@ Mooncake). When a turn's reply has reached the client and the policy would send 
 turn elsewhere, the session moves now and its KV is prefetched in the tool gap (`migration`). 503
 when no healthy replica is left. Routes without a session (models, tokenize, count_tokens, ...) go
 to the least loaded replica. `POST /router/drain` and `/router/undrain` take a replica out of (or
-back into) placement. Never imports jax.
+back into) placement. Clients' keys pass through to the replicas, which check them; the router's
+own calls (health, metrics, KV events, prompt hashes) carry its `operator_key`, which with one set
+also guards its own routes but `/health`. A prompt's page keys are computed in the client's cache
+namespace (asked of a replica for a client that sends a key), so prefix routing only ever matches a
+client's own cached pages. Never imports jax.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 from collections.abc import Awaitable, Sequence
 from contextlib import asynccontextmanager
@@ -33,6 +38,7 @@ from agentjax.router.proxy import ForwardFailure, Forwarded, Proxy
 from agentjax.router.replicas import Replica
 from agentjax.router.routing_request import RoutingRequest, parse_routing_request
 from agentjax.server import anthropic_protocol
+from agentjax.server.tenancy import TENANT_KEY_HEADER, presented_key
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +59,14 @@ class Router:
     def __init__(self, replicas: Sequence[Replica], policy: RoutingPolicy, *, upstream_timeout_s: float = 600.0,
                  health_interval_s: float = 1.0, health_timeout_s: float = 2.0, unhealthy_after: int = 2,
                  kv_transfer_timeout_s: float = 120.0, migration_min_gap_s: float = 0.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 operator_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
         """`transport` replaces the network (tests pass an `httpx.MockTransport`). A P/D prefill or a
         migration's prefetch waits `kv_transfer_timeout_s` at most; a tool gap that agent hints
-        announce shorter than `migration_min_gap_s` moves no KV ahead of the next turn."""
+        announce shorter than `migration_min_gap_s` moves no KV ahead of the next turn. `operator_key`
+        is the replicas' operator key (see the module docstring)."""
         self.replicas = list(replicas)
+        self.operator_key = operator_key or None
+        self.operator_headers = {"authorization": f"Bearer {operator_key}"} if operator_key else {}
         self.policy = policy
         self.sessions = SessionTable()
         self.metrics = RouterMetrics(self.replicas, lambda: len(self.sessions.replica_of))
@@ -69,7 +78,8 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
         self.proxy = Proxy(self.client)
         self.monitor = HealthMonitor(self.replicas, self.client, health_interval_s, health_timeout_s,
-                                     unhealthy_after, poll_kv_events=policy.wants_page_keys)
+                                     unhealthy_after, poll_kv_events=policy.wants_page_keys,
+                                     headers=self.operator_headers)
         self.kv_transfers = KVTransfers(self.client, self.metrics, kv_transfer_timeout_s)
         self.migrator = SessionMigrator(self.kv_transfers, self.metrics, self.sessions, migration_min_gap_s)
 
@@ -255,21 +265,27 @@ class Router:
 
     async def _page_keys(self, routing: RoutingRequest, candidates: list[Replica]) -> list[str]:
         """The prompt's KV page keys as the replicas' caches name them: hashed here for a token-id
-        prompt, else by one replica's `POST /kv/prompt_hashes` (which tokenizes as its route does)."""
+        prompt of a client without a key (or when the router has no operator key: replicas without
+        keys), else by one replica's `POST /kv/prompt_hashes` (which tokenizes as its route does, in
+        the namespace of the client's key)."""
         indexed = [r for r in candidates if r.prefix.block_size]
         if not indexed:
             return []
         reference = indexed[0].prefix
-        if routing.prompt_token_ids is not None:
+        namespaced = routing.client_key is not None and self.operator_key is not None
+        if routing.prompt_token_ids is not None and not namespaced:
             step = reference.hashes_per_page
             keys = block_hashes(routing.prompt_token_ids, reference.block_size, routing.cache_salt)
             return [key.hex() for key in (keys if step == 1 else keys[step - 1::step])]
         if routing.body is None:
             return []
         helper = least_loaded(indexed)
+        headers = dict(self.operator_headers)
+        if namespaced:
+            headers[TENANT_KEY_HEADER] = routing.client_key
         try:
             answer = await self.client.post(f"{helper.url}/kv/prompt_hashes", timeout=PROMPT_HASH_TIMEOUT_S,
-                                            json={"path": routing.path, "body": routing.body})
+                                            json={"path": routing.path, "body": routing.body}, headers=headers)
         except httpx.HTTPError as error:
             logger.debug("prompt hashes from %s failed: %s", helper.url, error)
             return []
@@ -312,21 +328,34 @@ def create_router_app(router: Router) -> FastAPI:
                   lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.router = router
 
+    def refused(request: Request) -> Response | None:
+        """With an operator key set, the router's own routes (not `/health`) need it: 401 otherwise."""
+        if router.operator_key is None:
+            return None
+        headers = {name.encode("latin-1"): value.encode("latin-1") for name, value in request.headers.items()}
+        key = presented_key(headers)
+        if key is not None and hmac.compare_digest(key, router.operator_key.encode()):
+            return None
+        return JSONResponse({"error": {"message": f"{request.url.path} needs the router's operator key "
+                                       "('Authorization: Bearer KEY')", "type": "authentication_error",
+                                       "param": None, "code": "invalid_api_key"}}, 401)
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return router.health()
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
-    async def metrics() -> Response:
-        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        return refused(request) or Response(router.metrics.render(),
+                                            media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/router/drain")
     async def drain(request: Request) -> Response:
-        return await _set_draining(request, True)
+        return refused(request) or await _set_draining(request, True)
 
     @app.post("/router/undrain")
     async def undrain(request: Request) -> Response:
-        return await _set_draining(request, False)
+        return refused(request) or await _set_draining(request, False)
 
     async def _set_draining(request: Request, draining: bool) -> Response:
         try:

@@ -3,6 +3,8 @@
 The session id is read as `agentjax serve` reads it (the API's own body field, then
 `agent_hints.session_id`, then the `X-Session-ID` / `X-Correlation-ID` headers); a Responses chain
 (`previous_response_id`) is resolved by the router, which remembers where each response was made.
+The router keeps sessions per client key (a fingerprint of the key prefixes the session id), as
+replicas keep them per cache namespace, so one client's session id never steers another's.
 Parsing never fails a request: a body that is not JSON is forwarded as it is. Never imports jax.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from agentjax.server.anthropic_serving import anthropic_session_id
 from agentjax.server.serving import SESSION_HEADERS
+from agentjax.server.tenancy import key_fingerprint, presented_key
 
 MAX_SESSION_ID_CHARS = 256
 APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages",
@@ -29,7 +32,9 @@ class RoutingRequest:
     method: str
     path: str
     api: str
-    session_id: str | None = None
+    session_id: str | None = None  # the router's name for the session: the client's, prefixed by its key's fingerprint
+    client_session_id: str | None = None  # the session id as the client sent it (what replicas are told)
+    client_key: str | None = None  # the key the client presented (the replicas' cache namespace follows from it)
     parent_session_id: str | None = None  # agent_hints.parent_session_id: a subagent's parent
     later_turn: bool | None = None  # None: the request does not say (the router's session table decides)
     expected_next_turn_s: float | None = None  # agent_hints: the tool gap before the session's next turn
@@ -48,6 +53,18 @@ class RoutingRequest:
 
 def parse_routing_request(method: str, path: str, headers: Mapping[str, str], raw_body: bytes) -> RoutingRequest:
     """The routing fields of a request (headers with lower-case names)."""
+    routing = _parse(method, path, headers, raw_body)
+    key = presented_key({name.encode("latin-1"): value.encode("latin-1") for name, value in headers.items()
+                         if name in ("authorization", "x-api-key")})
+    routing.client_session_id = routing.session_id
+    if key:
+        routing.client_key = key.decode("latin-1")
+        if routing.session_id is not None:
+            routing.session_id = f"{key_fingerprint(routing.client_key)[:16]}/{routing.session_id}"
+    return routing
+
+
+def _parse(method: str, path: str, headers: Mapping[str, str], raw_body: bytes) -> RoutingRequest:
     api = APIS.get(path, "other") if method == "POST" else "other"
     if method == "GET" and path.startswith(RESPONSE_LOOKUP_PREFIX) and path.count("/") == 3:
         return RoutingRequest(method, path, "response_lookup", response_id=path.removeprefix(RESPONSE_LOOKUP_PREFIX))

@@ -62,7 +62,7 @@ class ShardedModelRunner(ModelRunner):
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
                  logprobs_mode: str = "raw_logprobs", *, parallel, devices=None):
         from sharding.mesh import build_mesh
-        from sharding.modules import place_parameters
+        from sharding.modules import place_parameters, specs_of
         from sharding.step import ShardedStep
 
         enable_compilation_cache()
@@ -74,6 +74,7 @@ class ShardedModelRunner(ModelRunner):
         self.mesh = build_mesh(parallel, devices)
         self.sharded = ShardedStep(cfg, parallel, self.mesh, numerics)
         self.params = place_parameters(params, self.sharded.plans, self.mesh)
+        self.sharded.param_specs = specs_of(self.params)  # stored (quantised) weights shard part by part
         self.kv_pages = self.sharded.new_kv_pages(num_pages, page_size)
         self.state_groups = state_group_ids(cfg)
         data_ranks = parallel.data_parallel_size

@@ -119,18 +119,23 @@ class AnthropicServing:
         self.openai = openai
         self.chat_path = openai.chat_path
 
-    def prepare(self, body: CountTokensRequest) -> tuple[ChatInput, list[int]]:
-        """(chat, prompt ids); 404 for an unknown model, 400 for tools or blocks that do not fit."""
+    def prepare(self, body: CountTokensRequest, bounded: bool = True) -> tuple[ChatInput, list[int]]:
+        """(chat, prompt ids); 404 for an unknown model, 400 for tools or blocks that do not fit (and,
+        `bounded`, for a prompt over the context)."""
         if body.model not in self.openai.model_names:
             raise ModelNotFoundError(f"model {body.model!r} does not exist; this server serves "
                                      f"{self.openai.model_name!r}", param="model", code="model_not_found")
         chat = chat_input_of(body)
         self.chat_path.check_tools(chat)
         cache_marks(body)  # more than 4 marks fail here, before any rendering
-        return chat, self.chat_path.prompt_ids(chat)
+        return chat, self.chat_path.prompt_ids(chat, api="anthropic", bounded=bounded)
+
+    def _prepare_with_pins(self, body: MessagesRequest) -> tuple[ChatInput, list[int], list[tuple[int, float]]]:
+        chat, prompt = self.prepare(body)
+        return chat, prompt, pin_prefixes(self.chat_path, body, chat, prompt)
 
     async def count_tokens(self, body: CountTokensRequest) -> Response:
-        _, prompt = self.prepare(body)
+        _, prompt = await self.chat_path.off_loop(self.prepare, body, False)
         return JSONResponse({"input_tokens": len(prompt)})
 
     def sampling_of(self, body: MessagesRequest, prompt_len: int) -> SamplingParams:
@@ -147,12 +152,11 @@ class AnthropicServing:
         if ignored:
             logger.info("/v1/messages: ignoring %s (not supported by this server)",
                         ", ".join(f"{name}={json.dumps(getattr(body, name))[:80]}" for name in ignored))
-        chat, prompt = self.prepare(body)
+        chat, prompt, pins = await self.chat_path.off_loop(self._prepare_with_pins, body)
         sampling = self.sampling_of(body, len(prompt))
-        pins = pin_prefixes(self.chat_path, body, chat, prompt)
         user_id = body.metadata.user_id if body.metadata is not None else None
         session_id = session_id_from(anthropic_session_id(user_id), body.agent_hints, request)
-        kwargs = self.openai.engine_kwargs_of(body, session_id)
+        kwargs = self.openai.engine_kwargs_of(body, session_id, request)
         if pins:
             kwargs["pin_prefixes"] = pins
         run = (await self.chat_path.start(chat, sampling, prompt, **kwargs)).report_usage_to(request)

@@ -8,7 +8,8 @@ Anthropic's `{"type": "error", "error": {"type", "message"}}`; nothing it sends 
 """
 from __future__ import annotations
 
-import hmac
+import asyncio
+import contextlib
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -28,7 +29,9 @@ from agentjax.server.chat_run import USAGE_SCOPE_KEY
 from agentjax.server.responses_protocol import ResponseObject, ResponsesRequest
 from agentjax.server.responses_serving import ResponsesServing
 from agentjax.server.tool_parsers import DEFAULT_TOOL_PARSER
+from agentjax.server.edge import EdgeRoute
 from agentjax.server.errors import APIError
+from agentjax.server.guard import RequestGuardMiddleware
 from agentjax.server.kv_transfer import install_kv_transfer_routes
 from agentjax.server.kv_view import attach_kv_event_log, install_kv_routes
 from agentjax.server.metrics import ServerMetrics
@@ -43,9 +46,10 @@ from agentjax.server.protocol import (
     TokenizeResponse,
 )
 from agentjax.server.serving import OpenAIServing, ServerLimits
+from agentjax.server.tenancy import KeyRing
+from agentjax.server.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
-KV_TRANSFER_PATHS = frozenset({"/kv/prefill", "/kv/flush"})
 access_logger = logging.getLogger("agentjax.server.access")
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -67,7 +71,9 @@ def error_response(status: int, message: str, error_type: str = "invalid_request
 
 class AccessLogMiddleware:
     """Pure ASGI: one INFO line per HTTP request once its response has ended (streams included):
-    method, path, status, seconds, and the reply's token counts when it ran on the engine."""
+    method, path, status, seconds, and the reply's token counts when it ran on the engine. A request
+    uvicorn cancels at the end of its graceful shutdown ends here, its response closed, with one
+    WARNING line instead of a CancelledError traceback."""
 
     def __init__(self, app):
         self.app = app
@@ -80,75 +86,32 @@ class AccessLogMiddleware:
         scope[USAGE_SCOPE_KEY] = usage
         status = 500
         started = time.perf_counter()
+        response_started = False
 
         async def recording_send(message):
-            nonlocal status
+            nonlocal status, response_started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, response_started = message["status"], True
             await send(message)
 
         try:
             await self.app(scope, receive, recording_send)
+        except asyncio.CancelledError:
+            if not getattr(getattr(scope.get("app"), "state", None), "shutting_down", False):
+                raise  # a client that left (some servers cancel its task): not ours to end
+            access_logger.warning("%s %s cancelled: the graceful shutdown's time is up", scope.get("method"),
+                                  scope.get("path"))
+            with contextlib.suppress(Exception):
+                if response_started:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    status = 503
+                    await error_response(503, "the server is shutting down", "service_unavailable",
+                                         code="shutting_down", path=scope.get("path", ""))(scope, receive, send)
         finally:
             counts = "".join(f" {key}={value}" for key, value in usage.items())
             access_logger.info("%s %s %d %.3fs%s", scope.get("method"), scope.get("path"), status,
                                time.perf_counter() - started, counts)
-
-
-class RequestGuardMiddleware:
-    """Pure ASGI: API key check on /v1 routes (`Authorization: Bearer` or Anthropic's `x-api-key`),
-    and a cap on request body bytes (413)."""
-
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        path = scope["path"]
-        guarded = path.startswith("/v1") or path in KV_TRANSFER_PATHS  # these run the model too
-        if self.api_key is not None and guarded and not self._authorized(headers):
-            response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                      "or 'x-api-key: <key>'", "authentication_error", code="invalid_api_key",
-                                      path=path)
-            await response(scope, receive, send)
-            return
-        declared = headers.get(b"content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                await error_response(400, f"Content-Length {declared.decode(errors='replace')!r} is not a "
-                                     "number", path=path)(scope, receive, send)
-                return
-            if int(declared) > self.max_body_bytes:
-                await error_response(413, self._message(int(declared)), code="request_too_large",
-                                     path=path)(scope, receive, send)
-                return
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise StarletteHTTPException(413, self._message(received))
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
-            return True
-        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
-
-    def _message(self, size: int) -> str:
-        return (f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes "
-                f"(--max-request-body-bytes)")
 
 
 # The body field that carries the prompt, by route (errors about the prompt name it as `param`).
@@ -227,16 +190,20 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: tuple[str, ...] = (),
-               api_key: str | None = None, limits: ServerLimits = ServerLimits(),
+               api_key: str | None = None, keys: KeyRing | None = None, metrics_without_key: bool = False,
+               limits: ServerLimits = ServerLimits(),
                tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:  # noqa: PLR0915 (one route each)
-    """The app; the engine thread runs while the app's lifespan does. `tool_call_parser` names how
-    tool calls are read from replies (`agentjax.server.tool_parsers`)."""
+    """The app; the engine thread runs while the app's lifespan does. `keys` (or one `api_key`) are the
+    keys it accepts (`agentjax.server.tenancy`; none: open); `tool_call_parser` names how tool calls are
+    read from replies (`agentjax.server.tool_parsers`)."""
+    keys = keys if keys is not None else KeyRing.build([api_key] if api_key else [])
     async_engine = AsyncEngine(engine, max_queued_requests=limits.max_queued_requests)
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: async_engine.num_in_flight)
     async_engine.on_output = metrics.observe_output
+    workers = WorkerPool()
     chat_path = ChatPath(async_engine, tokenizer, max_tokens_limit=limits.max_tokens_limit,
                          default_max_tokens=limits.default_max_tokens,
-                         tool_parser=tool_call_parser)
+                         tool_parser=tool_call_parser, workers=workers)
     serving = OpenAIServing(async_engine, tokenizer, model_name, limits, model_aliases, chat_path)
     messages_serving = AnthropicServing(serving)
     responses_serving = ResponsesServing(serving)
@@ -250,13 +217,17 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: t
             yield
         finally:
             async_engine.stop()
+            workers.shutdown()
 
     app = FastAPI(title="agentjax", summary="OpenAI-compatible server for agentic LLM traffic",
                   lifespan=lifespan)
+    app.router.route_class = EdgeRoute  # every JSON body is parsed and its text checked once (edge.py)
     started = int(time.time())
     app.state.async_engine = async_engine
     app.state.metrics = metrics
-    app.add_middleware(RequestGuardMiddleware, api_key=api_key, max_body_bytes=limits.max_request_body_bytes)
+    app.state.keys = keys
+    app.add_middleware(RequestGuardMiddleware, keys=keys, max_body_bytes=limits.max_request_body_bytes,
+                       error_response=error_response, metrics_without_key=metrics_without_key)
     app.add_middleware(AccessLogMiddleware)  # added last: the outermost, so it sees 401s and 413s too
     _install_error_handlers(app, metrics)
 
@@ -276,9 +247,9 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: t
         return await responses_serving.create(body, request)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERROR_RESPONSES)
-    async def get_response(response_id: str) -> Response:
+    async def get_response(response_id: str, request: Request) -> Response:
         """A stored response (kept in memory, a bounded number of the most recent)."""
-        return responses_serving.retrieve(response_id)
+        return responses_serving.retrieve(response_id, request)
 
     @app.post("/v1/messages", responses=_ANTHROPIC_ERROR_RESPONSES)
     async def messages(body: anthropic.MessagesRequest, request: Request) -> Response:
@@ -294,12 +265,12 @@ def create_app(engine: Any, tokenizer: Any, *, model_name: str, model_aliases: t
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict:
         """vLLM's extension: the token ids of a text `prompt`, or of `messages` through the chat template."""
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict:
         """vLLM's extension: the text of `tokens`."""
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict:

@@ -69,6 +69,7 @@ class AsyncEngine:
         self._live: set[str] = set()  # request ids inside the engine; owned by the engine thread
         self.stats: dict = dict(engine.stats())  # replaced (never mutated) by the engine thread
         self.healthy = True
+        self._closing: BaseException | None = None  # set by `fail_all`: new requests get it at once
         # (take the engine's KV events, hand them on): drained by the engine thread with each stats
         # snapshot; set before `start` (agentjax.server.kv_view.attach_kv_event_log)
         self.kv_event_sink: tuple[Callable[[], list], Callable[[list], None]] | None = None
@@ -97,8 +98,13 @@ class AsyncEngine:
         return len(self._streams)
 
     # ---- called from the event loop ---------------------------------------------------------
-    async def add_request(self, prompt_token_ids: list[int], sampling: Any, **engine_kwargs: Any) -> RequestStream:
-        """Queues a request; raises the engine's validation error, or 429 beyond the bound."""
+    async def add_request(self, prompt_token_ids: list[int], sampling: Any, *, check: Any = None,
+                          **engine_kwargs: Any) -> RequestStream:
+        """Queues a request; raises the engine's validation error, or 429 beyond the bound. `check`, a
+        `StructuredOutput` the request does not decode under (the tools of an `auto` tool choice), must
+        compile as one it did (`InvalidRequestError` otherwise), checked on the same trip."""
+        if self._closing is not None:
+            raise self._closing
         if len(self._streams) >= self.max_queued_requests:
             raise ServerOverloadedError(
                 f"the server already has {len(self._streams)} requests queued or running "
@@ -106,7 +112,7 @@ class AsyncEngine:
         stream = RequestStream(f"req-{uuid.uuid4().hex}")
         self._streams[stream.request_id] = stream
         accepted = self._loop.create_future()
-        self._submit(("add", stream.request_id, prompt_token_ids, sampling, engine_kwargs, accepted))
+        self._submit(("add", stream.request_id, prompt_token_ids, sampling, engine_kwargs, accepted, check))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -122,6 +128,14 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.done:
             self._submit(("abort", request_id))
+
+    def fail_all(self, error: BaseException) -> None:
+        """Ends every request in flight with `error` (their streams send it as an error event) and
+        refuses new ones with it: the graceful shutdown's deadline (`agentjax.server.launcher`)."""
+        self._closing = error
+        for request_id in list(self._streams):  # at once, on the loop: a step may run for a while yet
+            self._streams.pop(request_id).queue.put_nowait(error)
+        self._submit(("fail_all", error))  # the engine thread aborts them and frees their pages
 
     def end_session(self, session_id: str) -> None:
         self._submit(("end_session", session_id))
@@ -191,9 +205,11 @@ class AsyncEngine:
                 return
             kind = command[0]
             if kind == "add":
-                _, request_id, prompt, sampling, kwargs, accepted = command
+                _, request_id, prompt, sampling, kwargs, accepted, check = command
                 error = None
                 try:
+                    if check is not None and isinstance(getattr(type(self.engine), "grammar", None), property):
+                        self.engine.grammar.check(check)
                     self.engine.add_request(prompt, sampling, request_id, **kwargs)
                     self._live.add(request_id)
                 except Exception as exc:  # validation errors go back to the handler that asked
@@ -209,6 +225,8 @@ class AsyncEngine:
                     end_session(command[1])
             elif kind == "flush_offload":
                 self._flush_offload(command[1])
+            elif kind == "fail_all":
+                self._fail_live(command[1])
         self._publish_stats()
 
     def _flush_offload(self, flushed: asyncio.Future) -> None:

@@ -10,10 +10,12 @@ no parser. Never imports jax.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from agentjax.errors import InvalidRequestError, TokenLimitError
 from agentjax.sampling_params import SamplingParams
 from agentjax.server.async_engine import AsyncEngine
 from agentjax.server.chat_run import (  # noqa: F401  (re-exported: the front ends import them from here)
@@ -31,8 +33,12 @@ from agentjax.server.chat_run import (  # noqa: F401  (re-exported: the front en
 )
 from agentjax.server.errors import APIError
 from agentjax.server.tool_parsers import tool_parser_class
+from agentjax.server.worker_pool import WorkerPool
 from agentjax.structured.spec import StructuredOutput
 
+T = TypeVar("T")
+
+TOOL_GRAMMAR_ERROR = "the lark constraint is not usable: "  # the tool parsers' constraints are lark grammars
 # Most calls one reply makes under a forced tool choice with parallel calls: a small model can
 # otherwise repeat calls until max_tokens (the grammar lets the reply end after any call).
 MAX_FORCED_PARALLEL_CALLS = 8
@@ -70,8 +76,10 @@ class ChatPath:
     """Budgets, renders, constrains and queues requests on one `AsyncEngine`."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, *, max_tokens_limit: int | None = None,
-                 default_max_tokens: int | None = None, tool_parser: str = "hermes"):
+                 default_max_tokens: int | None = None, tool_parser: str = "hermes",
+                 workers: WorkerPool | None = None):
         self.engine = engine
+        self.workers = workers  # where prompts are rendered and tokenized; None: inline (tests)
         self.tokenizer = tokenizer
         self.max_tokens_limit = max_tokens_limit  # the operator's cap (--max-tokens-limit); None: none
         self.default_max_tokens = default_max_tokens  # for requests that set no budget; None: the context left
@@ -107,6 +115,13 @@ class ChatPath:
         return requested
 
     # ---- tools and prompts --------------------------------------------------------------------
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the worker pool: rendering and tokenizing take time in proportion to
+        the body, and must not stall the event loop."""
+        if self.workers is None:
+            return fn(*args, **kwargs)
+        return await self.workers.run(fn, *args, **kwargs)
+
     def check_tools(self, chat: ChatInput, param: str = "tools") -> None:
         names = set()
         for index, tool in enumerate(chat.tools):
@@ -126,11 +141,32 @@ class ChatPath:
             raise APIError(f"tool_choice names {choice.name!r}, which is not among the tools "
                            f"({', '.join(sorted(names))})", param="tool_choice")
 
-    def prompt_ids(self, chat: ChatInput, add_generation_prompt: bool = True) -> list[int]:
+    def prompt_ids(self, chat: ChatInput, add_generation_prompt: bool = True,
+                   api: Literal["openai", "anthropic"] = "openai", bounded: bool = True,
+                   prompt_param: str = "messages") -> list[int]:
         """The rendered prompt. Tools are rendered even with tool choice `none`, so that an agent that
-        switches tool choice between turns keeps its prompt prefix (and its cache hits)."""
-        return self.tokenizer.encode_chat(chat.messages, add_generation_prompt=add_generation_prompt,
-                                          tools=chat.tools or None)
+        switches tool choice between turns keeps its prompt prefix (and its cache hits). `bounded`: a
+        prompt that leaves no room for one new token is a 400 known from its token count alone (a
+        5 MB prompt's ids are never built)."""
+        context = self._context() if bounded else None
+        try:
+            return self.tokenizer.encode_chat(chat.messages, add_generation_prompt=add_generation_prompt,
+                                              tools=chat.tools or None, max_tokens=context and context - 1)
+        except TokenLimitError as error:
+            raise ContextLengthError(_prompt_too_long(error.num_tokens, context, api), param=prompt_param,
+                                     code="context_length_exceeded") from None
+
+    def _context(self) -> int | None:
+        return getattr(self.engine, "max_model_len", None)
+
+    def text_ids(self, text: str, add_special_tokens: bool = True, bounded: bool = True) -> list[int]:
+        """A text prompt's ids (completions), bounded as `prompt_ids`."""
+        context = self._context() if bounded else None
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=context and context - 1)
+        except TokenLimitError as error:
+            raise ContextLengthError(_prompt_too_long(error.num_tokens, context, "openai"), param="prompt",
+                                     code="context_length_exceeded") from None
 
     def constraint(self, chat: ChatInput) -> StructuredOutput | None:
         """What decoding must produce: a call when the tool choice forces one, else the response format."""
@@ -161,7 +197,17 @@ class ChatPath:
         if constraint is not None:
             sampling = replace(sampling, structured=constraint)
         parser = self.tool_parser(chat.tools) if chat.tools and chat.tool_choice.mode != "none" else None
-        stream = await self.engine.add_request(list(prompt), sampling, **engine_kwargs)
+        check = None  # under `auto` the tools' schemas are checked as a forced choice's grammar would be
+        if parser is not None and not chat.tool_choice.forced:
+            check = self.tool_parser.constraint([t["function"] for t in chat.tools], 1)
+        try:
+            stream = await self.engine.add_request(list(prompt), sampling, check=check, **engine_kwargs)
+        except InvalidRequestError as error:
+            if parser is not None and str(error).startswith(TOOL_GRAMMAR_ERROR):
+                reason = re.sub(r"^at \d+\(\d+\): ", "", str(error).removeprefix(TOOL_GRAMMAR_ERROR))
+                raise APIError(f"tools: a function's parameters are not a usable JSON schema: {reason}",
+                               param="tools", code="invalid_tool_schema") from None
+            raise
         forced = chat.tool_choice.forced and parser is not None
         run = ChatRun(self.engine, self.tokenizer, stream, len(prompt), sampling, parser, forced_calls=forced)
         run.counts_prompt = engine_kwargs.get("fork_of") is None

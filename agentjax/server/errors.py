@@ -64,6 +64,13 @@ class EngineFailedError(APIError):
     error_type = "server_error"
 
 
+class ServerShuttingDownError(APIError):
+    """The server is stopping and its graceful-shutdown time is up: the reply ends here (retry elsewhere)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
 class KVTierUnavailableError(APIError):
     """A KV transfer a router asked for cannot be made: the shared tier is out of use or too slow."""
 

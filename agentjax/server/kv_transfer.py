@@ -15,13 +15,14 @@ import asyncio
 import logging
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
 
 from agentjax.sampling_params import SamplingParams
 from agentjax.scheduler.request import AgentHints
 from agentjax.server.errors import APIError, KVTierUnavailableError
 from agentjax.server.kv_view import PROMPT_PATHS, parse_prompt
+from agentjax.server.tenancy import tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +65,18 @@ def install_kv_transfer_routes(app: FastAPI, async_engine: Any, serving: Any, me
         return degraded
 
     @app.post("/kv/prefill")
-    async def prefill(wanted: PrefillRequest) -> dict:
-        """Computes (or loads) the prompt of `body`, a request for `path`, into this replica's KV cache."""
-        tokens, salt, parsed = parse_prompt(wanted.path, wanted.body, serving, messages_serving, responses_serving)
+    async def prefill(wanted: PrefillRequest, request: Request) -> dict:
+        """Computes (or loads) the prompt of `body`, a request for `path`, into this replica's KV cache
+        (in the caller's cache namespace: the router sends the client's key)."""
+        tenant = tenant_of(request.scope)
+        tokens, salt, parsed = await serving.chat_path.off_loop(parse_prompt, wanted.path, wanted.body, tenant,
+                                                                serving, messages_serving, responses_serving)
         if not tokens:
             raise APIError("the body's prompt is empty", param="body")
         if wanted.store:
             check_shared_tier(async_engine.stats.get("kv_offload"))  # before any compute
         if wanted.session_id is not None:
-            kwargs = serving.engine_kwargs_of(parsed, wanted.session_id)
+            kwargs = serving.engine_kwargs_of(parsed, tenant.session(wanted.session_id), request)
         else:
             kwargs = {"cache_salt": salt} if salt is not None else {}
         if wanted.store:  # the prompt continues on another replica: a selective retention stores all of it

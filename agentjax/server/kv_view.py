@@ -3,8 +3,10 @@
 The engine thread hands the KV manager's events (`agentjax.kv.events`) of one routing group to a
 `KVEventLog` after every step; the log keeps a mirror of the hashes that group can hit and a bounded
 ring of numbered changes, so a router polls only what changed (or gets a snapshot after a gap or a
-restart). `/kv/prompt_hashes` names a request's prompt blocks the way the cache does. Nothing here
-touches the engine: the mirror lives beside it. Never imports jax.
+restart). `/kv/prompt_hashes` names a request's prompt blocks the way the cache does, in the caller's
+cache namespace or, for an operator that names one (`X-Agentjax-Tenant-Key`), in that key's. Both
+reveal what is cached, so with keys set they need an operator key (`agentjax.server.guard`). Nothing
+here touches the engine: the mirror lives beside it. Never imports jax.
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ from pydantic import BaseModel, Field, ValidationError
 from agentjax.kv.events import BlockRemoved, BlockStored
 from agentjax.kv.hashing import block_hashes
 from agentjax.server import anthropic_protocol
-from agentjax.server.errors import APIError, NotFoundError
+from agentjax.server.errors import APIError, AuthenticationError, NotFoundError
 from agentjax.server.protocol import ChatCompletionRequest, CompletionRequest
 from agentjax.server.responses_convert import chat_input_of
 from agentjax.server.responses_protocol import ResponsesRequest
+from agentjax.server.tenancy import TENANT_KEY_HEADER, Tenant, tenant_of
 
 MAX_EVENTS_PER_POLL = 50_000
 PROMPT_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
@@ -120,18 +123,34 @@ def install_kv_routes(app: FastAPI, log: KVEventLog | None, serving: Any, messag
         return require_log().read(after, epoch, limit)
 
     @app.post("/kv/prompt_hashes")
-    async def prompt_hashes(wanted: PromptHashesRequest) -> dict:
-        """The page keys the prompt of `body` (a request for `path`) would be cached under."""
+    async def prompt_hashes(wanted: PromptHashesRequest, request: Request) -> dict:
+        """The page keys the prompt of `body` (a request for `path`) would be cached under: in the
+        namespace of the key in the `X-Agentjax-Tenant-Key` header when there is one, else the caller's."""
         events = require_log()
-        tokens, salt, _ = parse_prompt(wanted.path, wanted.body, serving, messages_serving, responses_serving)
+        tenant = tenant_of(request.scope)
+        named = request.headers.get(TENANT_KEY_HEADER)
+        if named is not None:
+            tenant = request.app.state.keys.tenant_for(named.strip())
+            if tenant is None:
+                raise AuthenticationError(f"the {TENANT_KEY_HEADER} header holds no key of this server",
+                                          param=TENANT_KEY_HEADER, code="invalid_api_key")
+        tokens, salt, _ = await serving.chat_path.off_loop(parse_prompt, wanted.path, wanted.body, tenant, serving,
+                                                           messages_serving, responses_serving)
         keys = events.page_keys(tokens, salt) if tokens else []
         return {"epoch": events.epoch, "num_tokens": len(tokens),
                 "tokens_per_key": events.block_size * events.hashes_per_page, "page_keys": [k.hex() for k in keys]}
 
 
-def parse_prompt(path: str, body: dict, serving: Any, messages_serving: Any,
+def parse_prompt(path: str, body: dict, tenant: Tenant, serving: Any, messages_serving: Any,
                  responses_serving: Any) -> tuple[list[int], str | None, BaseModel]:
-    """(prompt token ids, cache salt, the validated body) of a request for `path`, as its route builds them."""
+    """(prompt token ids, cache salt in `tenant`'s namespace, the validated body) of a request for
+    `path` that `tenant` sends, as its route builds them."""
+    tokens, salt, parsed = _parse_prompt(path, body, tenant, serving, messages_serving, responses_serving)
+    return tokens, tenant.salt(salt), parsed
+
+
+def _parse_prompt(path: str, body: dict, tenant: Tenant, serving: Any, messages_serving: Any,
+                  responses_serving: Any) -> tuple[list[int], str | None, BaseModel]:
     try:
         if path == "/v1/chat/completions":
             chat_body = ChatCompletionRequest.model_validate(body)
@@ -141,14 +160,14 @@ def parse_prompt(path: str, body: dict, serving: Any, messages_serving: Any,
             prompt = completion.prompt
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]
-            tokens = serving.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            tokens = serving.chat_path.text_ids(prompt) if isinstance(prompt, str) else list(prompt)
             return tokens, completion.cache_salt, completion
         if path == "/v1/messages":
             message = anthropic_protocol.MessagesRequest.model_validate(body)
             return messages_serving.prepare(message)[1], message.cache_salt, message
         if path == "/v1/responses":
             response = ResponsesRequest.model_validate(body)
-            previous = (responses_serving.store.get(response.previous_response_id)
+            previous = (responses_serving.store.get(response.previous_response_id, tenant.namespace)
                         if response.previous_response_id else None)
             chat, _ = chat_input_of(response, previous.messages if previous is not None else [])
             return serving.chat_path.prompt_ids(chat), response.cache_salt, response

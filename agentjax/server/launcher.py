@@ -7,17 +7,19 @@ thread, and the process exits with status 0. jax is imported only when `serve` r
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agentjax.progress import Heartbeat
+from agentjax.server.tenancy import API_KEY_ENV, OPERATOR_KEY_ENV
 from agentjax.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "AGENTJAX_API_KEY"
 WARMUP_ENV = "AGENTJAX_WARMUP"
 WARMUP_LEVELS = ("none", "decode", "steps", "all")  # agentjax.runner.warmup's (this module never imports jax)
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -25,12 +27,22 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `serve` adds to the engine flags (agentjax/engine_flags.py): vLLM's frontend group."""
-    frontend = parser.add_argument_group("Frontend", "the HTTP server, its limits and how replies are read")
+    frontend = parser.add_argument_group("Frontend", "the HTTP server, its keys, its limits and how replies are read")
     add = frontend.add_argument
     add("--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1: this machine only)")
     add("--port", type=int, default=8000, help="port to listen on")
-    add("--api-key", default=None, metavar="KEY",
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    add("--api-key", action="append", default=None, metavar="KEY",
+        help=f"a key clients send ('Authorization: Bearer KEY' or 'x-api-key: KEY'); may repeat. With any key "
+             f"set, every route but /health needs one, and each key gets its own prefix-cache namespace "
+             f"(default: ${API_KEY_ENV}, else none: the server is open)")
+    add("--api-keys-file", default=None, metavar="PATH",
+        help='keys in a JSON file: {"keys": [{"key": "...", "namespace": "team-a", "operator": false}, ...]}; '
+             "keys that name the same namespace share their prefix cache")
+    add("--operator-key", action="append", default=None, metavar="KEY",
+        help=f"a key that may also read /metrics, /kv/events and /kv/prompt_hashes (what is cached); may repeat "
+             f"(default: ${OPERATOR_KEY_ENV}, else none)")
+    add("--metrics-without-key", action="store_true",
+        help="serve /metrics without a key even when keys are set (for a scraper that sends none)")
     add("--served-model-name", default=None, metavar="NAME",
         help=f"the model id clients send and /v1/models lists (default: from --model; {DEFAULT_MODEL_NAME} "
              "for the embedded model)")
@@ -49,6 +61,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="before the ready line, build the step executables serving can reach: decode (every decode "
              "step shape, greedy and sampled), steps (every step shape), all (steps with the log-probability "
              f"and penalty variants and the KV offload page movers), none; default: ${WARMUP_ENV}, else decode")
+
+
+def key_ring_from_args(args: argparse.Namespace):
+    """The server's keys: `--api-key` (else $AGENTJAX_API_KEY), `--operator-key` (else
+    $AGENTJAX_OPERATOR_KEY) and `--api-keys-file`."""
+    from agentjax.server.tenancy import KeyRing
+
+    api_keys = args.api_key or [os.environ.get(API_KEY_ENV, "")]
+    operator_keys = args.operator_key or [os.environ.get(OPERATOR_KEY_ENV, "")]
+    return KeyRing.build(api_keys, operator_keys, args.api_keys_file)
 
 
 def engine_config_from_args(args: argparse.Namespace, base: dict):
@@ -78,16 +100,19 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
         from agentjax.server.app import create_app
         from agentjax.server.serving import ServerLimits
 
-    args.api_key = args.api_key or os.environ.get(API_KEY_ENV)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    keys = key_ring_from_args(args)  # a bad keys file stops the server before the model loads
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys.enabled:
         logger.warning("binding to %s without --api-key: anyone who can reach it can use it", args.host)
+    if keys.enabled:
+        logger.warning("%d API key(s), %s operator key; each key's prefix cache is its own unless the keys "
+                       "file names a shared namespace", len(keys), "with an" if keys.has_operator else "no")
     config = engine_config_from_args(args, engine_args)
     started = time.perf_counter()
     if config.num_processes > 1:
         from sharding.distributed import initialize
 
         initialize(config)  # before any device is used
-    model_cfg, params, tokenizer = load_model(args.model)
+    model_cfg, params, tokenizer = load_model(args.model, quantization=config.quantization, engine_config=config)
     engine = make_engine(model_cfg, params, config, tokenizer)
     if config.num_processes > 1 and config.process_id != 0:
         return follow_driver(engine, config)
@@ -98,15 +123,17 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_queued_requests=args.max_queued_requests)
     aliases = tuple(a for a in (model_cfg.name, args.model) if a)
-    app = create_app(engine, tokenizer, model_name=name, model_aliases=aliases, api_key=args.api_key,
-                     limits=limits, tool_call_parser=args.tool_call_parser)
+    app = create_app(engine, tokenizer, model_name=name, model_aliases=aliases, keys=keys,
+                     metrics_without_key=args.metrics_without_key, limits=limits,
+                     tool_call_parser=args.tool_call_parser)
+
     def ready() -> None:
         logger.info("%s", ready_line(engine, name, model_cfg.name, args.host, args.port,
                                      time.perf_counter() - started))
 
     server = graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-                                           access_log=False), on_ready=ready)
+                                           access_log=False), on_ready=ready, on_deadline=lambda: end_requests(app))
     server.run()
     if config.num_processes > 1:
         engine.runner.send({"call": "stop"})  # the other processes' follow loops end too
@@ -160,9 +187,23 @@ def ready_line(engine, name: str, model: str, host: str, port: int, seconds: flo
             f"({pages:,} pages of {page_tokens}) in {memory}; started in {seconds:.1f} s")
 
 
-def graceful_server(config, on_ready=None):
+def end_requests(app) -> None:
+    """The graceful shutdown's time is up: every request still running ends now with a 503 (a stream
+    with an error event, so its client knows it was cut) rather than being cancelled mid-write."""
+    from agentjax.server.errors import ServerShuttingDownError
+
+    logger.warning("graceful shutdown: ending %d request(s) still running", app.state.async_engine.num_in_flight)
+    app.state.shutting_down = True
+    app.state.async_engine.fail_all(ServerShuttingDownError("the server is shutting down and its "
+                                                            "--timeout-graceful-shutdown has passed; retry the "
+                                                            "request", code="shutting_down"))
+
+
+def graceful_server(config, on_ready: Callable[[], None] | None = None,
+                    on_deadline: Callable[[], None] | None = None):
     """uvicorn's server, but a handled SIGTERM ends in exit status 0 rather than being re-raised;
-    `on_ready()` runs once it listens."""
+    `on_ready()` runs once it listens, and `on_deadline()` a moment before `timeout_graceful_shutdown`
+    passes (so requests can end themselves before uvicorn cancels them)."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -170,6 +211,17 @@ def graceful_server(config, on_ready=None):
             await super().startup(sockets)
             if self.started and on_ready is not None:
                 on_ready()
+
+        async def shutdown(self, sockets=None) -> None:
+            grace = self.config.timeout_graceful_shutdown
+            timer = None
+            if on_deadline is not None and grace:
+                timer = asyncio.get_running_loop().call_later(max(0.0, grace - min(1.0, grace / 2)), on_deadline)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
         def handle_exit(self, sig, frame) -> None:
             logger.warning("received signal %d: shutting down gracefully", sig)

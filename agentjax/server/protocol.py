@@ -9,13 +9,26 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 16
 MAX_ID_LENGTH = 256
 MAX_TOP_LOGPROBS = 20  # agentjax.sampling_params.MAX_LOGPROBS (this module imports nothing heavy)
 MAX_N = 128
 MAX_LOGIT_BIAS = 1024
+
+
+def _at_most_stop_strings(value: Any) -> Any:
+    """A list of stop strings over the limit fails on its length (else pydantic reports that the
+    list is not a string, the union's other branch)."""
+    if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+        raise PydanticCustomError("too_many_stop_strings", "at most {limit} stop strings are allowed, got {count}",
+                                  {"limit": MAX_STOP_STRINGS, "count": len(value)})
+    return value
+
+
+StopStrings = Annotated[str | list[str] | None, BeforeValidator(_at_most_stop_strings)]
 
 
 class OpenAIModel(BaseModel):
@@ -118,7 +131,7 @@ class SamplingFields(OpenAIModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
     seed: int | None = Field(None, ge=0, lt=2**32)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: StopStrings = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=64)] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)

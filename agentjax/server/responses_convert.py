@@ -47,6 +47,7 @@ class StoredResponse:
     response: dict
     session_id: str
     size: int  # characters of the conversation, for the store's bound
+    namespace: str | None = None  # the tenant's (agentjax.server.tenancy): only it may read or continue it
 
 
 class ResponseStore:
@@ -58,10 +59,12 @@ class ResponseStore:
         self.items: OrderedDict[str, StoredResponse] = OrderedDict()
         self.chars = 0
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, namespace: str | None = None) -> StoredResponse | None:
+        """The response, if it is there and was stored by a tenant of `namespace`."""
         stored = self.items.get(response_id)
-        if stored is not None:
-            self.items.move_to_end(response_id)
+        if stored is None or stored.namespace != namespace:
+            return None
+        self.items.move_to_end(response_id)
         return stored
 
     def put(self, response_id: str, stored: StoredResponse) -> None:

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from agentjax.sampling_params import SamplingParams
 from agentjax.server.chat_path import (
+    ChatInput,
     ChatRun,
     Finished,
     LogprobsDelta,
@@ -36,6 +37,7 @@ from agentjax.server.openai_logprobs import TokenTexts, chat_logprobs
 from agentjax.server.responses_convert import ResponseStore, StoredResponse, chat_input_of, conversation_size
 from agentjax.server.responses_protocol import ResponsesRequest
 from agentjax.server.serving import AbortOnCloseStreamingResponse, OpenAIServing, session_id_from
+from agentjax.server.tenancy import tenant_of
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -167,8 +169,8 @@ class ResponsesServing:
         self.chat_path = openai.chat_path
         self.store = store or ResponseStore()
 
-    def retrieve(self, response_id: str) -> Response:
-        stored = self.store.get(response_id)
+    def retrieve(self, response_id: str, request: Request) -> Response:
+        stored = self.store.get(response_id, tenant_of(request.scope).namespace)
         if stored is None:
             raise NotFoundError(f"Response with id {response_id!r} not found.", param="response_id",
                                 code="response_not_found")
@@ -178,21 +180,20 @@ class ResponsesServing:
         self.openai.check_model(body.model)
         previous = None
         if body.previous_response_id is not None:
-            previous = self.store.get(body.previous_response_id)
+            previous = self.store.get(body.previous_response_id, tenant_of(request.scope).namespace)
             if previous is None:
                 raise NotFoundError(f"Previous response with id {body.previous_response_id!r} not found.",
                                     param="previous_response_id", code="previous_response_not_found")
-        chat, conversation = chat_input_of(body, previous.messages if previous is not None else [])
-        self.chat_path.check_tools(chat)
-        prompt = self.chat_path.prompt_ids(chat)
+        chat, conversation, prompt = await self.chat_path.off_loop(self._prepare, body, previous)
         sampling = self.sampling_of(body, len(prompt))
         response_id = f"resp_{uuid.uuid4().hex}"
         session_id = self._session_id(body, request, previous, response_id)
-        run = await self.chat_path.start(chat, sampling, prompt, **self.openai.engine_kwargs_of(body, session_id))
+        run = await self.chat_path.start(chat, sampling, prompt,
+                                         **self.openai.engine_kwargs_of(body, session_id, request))
         run.report_usage_to(request)
         shell = self._shell(body, response_id)
         if body.stream:
-            events = self._events(run, body, shell, conversation, session_id)
+            events = self._events(run, body, shell, conversation, session_id, tenant_of(request.scope).namespace)
             return AbortOnCloseStreamingResponse(events, run.abort)
         builder = OutputBuilder(self._texts(body))
         result = await run.collect(request)
@@ -202,8 +203,14 @@ class ResponsesServing:
                 builder.feed(ToolCallArguments(part.index, part.call.arguments))
             builder.feed(part)
         builder.feed(result.finished)
-        response = self._finish(shell, builder, result.finished, body, conversation, session_id)
+        response = self._finish(shell, builder, result.finished, body, conversation, session_id,
+                                tenant_of(request.scope).namespace)
         return JSONResponse(response)
+
+    def _prepare(self, body: ResponsesRequest, previous: StoredResponse | None) -> tuple[ChatInput, list[dict], list[int]]:
+        chat, conversation = chat_input_of(body, previous.messages if previous is not None else [])
+        self.chat_path.check_tools(chat)
+        return chat, conversation, self.chat_path.prompt_ids(chat, prompt_param="input")
 
     def sampling_of(self, body: ResponsesRequest, prompt_len: int) -> SamplingParams:
         max_tokens = self.chat_path.max_tokens_for(body.max_output_tokens, prompt_len, "max_output_tokens",
@@ -222,9 +229,10 @@ class ResponsesServing:
     def _session_id(self, body: ResponsesRequest, request: Request, previous: StoredResponse | None,
                     response_id: str) -> str:
         """`prompt_cache_key` (Codex sends one per conversation), a hint or header, else the chain's."""
-        named = session_id_from(body.prompt_cache_key, body.agent_hints, request)
+        key = body.prompt_cache_key[:256] if body.prompt_cache_key else None
+        named = session_id_from(key, body.agent_hints, request)
         if named:
-            return named[:256]
+            return named
         return previous.session_id if previous is not None else f"session-{response_id}"
 
     def _shell(self, body: ResponsesRequest, response_id: str) -> dict:
@@ -245,7 +253,7 @@ class ResponsesServing:
         }
 
     def _finish(self, shell: dict, builder: OutputBuilder, finished: Finished, body: ResponsesRequest,
-                conversation: list[dict], session_id: str) -> dict:
+                conversation: list[dict], session_id: str, namespace: str | None) -> dict:
         response = {**shell, "output": builder.output, "usage": usage_of(finished)}
         if finished.finish_reason == "length":
             response["status"], response["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
@@ -253,12 +261,13 @@ class ResponsesServing:
             response["status"] = "completed"
         if body.store:
             messages = [*conversation, builder.assistant_message()]
-            self.store.put(shell["id"], StoredResponse(messages, response, session_id, conversation_size(messages)))
+            self.store.put(shell["id"], StoredResponse(messages, response, session_id, conversation_size(messages),
+                                                       namespace))
         self.openai.finish(body, session_id)
         return response
 
     async def _events(self, run: ChatRun, body: ResponsesRequest, shell: dict, conversation: list[dict],
-                      session_id: str) -> AsyncIterator[str]:
+                      session_id: str, namespace: str | None) -> AsyncIterator[str]:
         builder = OutputBuilder(self._texts(body))
         yield sse(builder.event("response.created", response=shell))
         yield sse(builder.event("response.in_progress", response=shell))
@@ -267,7 +276,7 @@ class ResponsesServing:
                 for payload in builder.feed(item):
                     yield sse(payload)
                 if isinstance(item, Finished):
-                    response = self._finish(shell, builder, item, body, conversation, session_id)
+                    response = self._finish(shell, builder, item, body, conversation, session_id, namespace)
                     kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
                     yield sse(builder.event(kind, response=response))
         except APIError as exc:

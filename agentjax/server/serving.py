@@ -43,6 +43,7 @@ from agentjax.server.openai_logprobs import (
     prompt_logprobs_json,
 )
 from agentjax.server.openai_stream import ChatStream, CompletionStream, error_info, sse, usage_of  # noqa: F401
+from agentjax.server.tenancy import tenant_of
 from agentjax.server.text import chat_messages
 from agentjax.server.tool_parsers import ToolCall
 from agentjax.structured.spec import StructuredOutput
@@ -55,7 +56,11 @@ _HINT_FIELDS = {f.name for f in dataclasses.fields(AgentHints)}
 
 def session_id_from(body_id: str | None, hints: AgentHintsModel | None, request: Request) -> str | None:
     """The request's session id: the API's own body field, then `agent_hints.session_id`, then the
-    first session header present."""
+    first session header present; within the caller's namespace (tenants' sessions never meet)."""
+    return tenant_of(request.scope).session(_named_session(body_id, hints, request))
+
+
+def _named_session(body_id: str | None, hints: AgentHintsModel | None, request: Request) -> str | None:
     if body_id:
         return body_id
     if hints is not None and hints.session_id:
@@ -79,16 +84,31 @@ class ServerLimits:
 
 
 class AbortOnCloseStreamingResponse(StreamingResponse):
-    """A streaming response that runs `on_close` however it ends: finished, failed or disconnected."""
+    """A streaming response that runs `on_close` however it ends: finished, failed or disconnected.
+    A stream its client left before the end counts in the app's `agentjax:request_errors{status="499"}`,
+    as a non-streamed request whose client left does."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.ended = False  # the content ran to its end (or failed): not a dropped stream
+        super().__init__(self._watched(content), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
+
+    async def _watched(self, content: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for chunk in content:
+                yield chunk
+        except Exception:
+            self.ended = True
+            raise
+        self.ended = True
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            metrics = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
+            if not self.ended and metrics is not None:
+                metrics.request_errors.labels(status="499").inc()
             self.on_close()
 
 
@@ -143,9 +163,10 @@ class OpenAIServing:
             prompt_logprobs=body.prompt_logprobs,
         )
 
-    def engine_kwargs_of(self, body, session_id: str | None) -> dict:
+    def engine_kwargs_of(self, body, session_id: str | None, request: Request) -> dict:
         """Session, priority, hints and cache salt for `Engine.add_request` (any API's body with
-        `agent_hints`, `priority` and `cache_salt` fields)."""
+        `agent_hints`, `priority` and `cache_salt` fields); the salt carries the caller's cache
+        namespace (`agentjax.server.tenancy`), so it reads and writes only its own cached pages."""
         hints = None
         priority = body.priority
         if body.agent_hints is not None:
@@ -156,8 +177,9 @@ class OpenAIServing:
             if priority is None:
                 priority = body.agent_hints.priority
         kwargs = {"session_id": session_id, "priority": priority or 0, "hints": hints}
-        if body.cache_salt is not None:
-            kwargs["cache_salt"] = body.cache_salt
+        salt = tenant_of(request.scope).salt(body.cache_salt)
+        if salt is not None:
+            kwargs["cache_salt"] = salt
         return kwargs
 
     def finish(self, body, session_id: str | None) -> None:
@@ -176,13 +198,16 @@ class OpenAIServing:
         return ChatInput(chat_messages(body.messages), tools, tool_choice, body.parallel_tool_calls,
                          structured_output_of(body.response_format))
 
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[ChatInput, list[int]]:
+        chat = self.chat_input_of(body)
+        self.chat_path.check_tools(chat)
+        return chat, self.chat_path.prompt_ids(chat)
+
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_request(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        chat = self.chat_input_of(body)
-        self.chat_path.check_tools(chat)
-        prompt = self.chat_path.prompt_ids(chat)
+        chat, prompt = await self.chat_path.off_loop(self._chat_prompt, body)
         if body.max_completion_tokens is not None:
             sampling = self.sampling_of(body, body.max_completion_tokens, len(prompt), "max_completion_tokens")
         else:
@@ -190,7 +215,8 @@ class OpenAIServing:
         if body.logprobs:
             sampling = dataclasses.replace(sampling, logprobs=body.top_logprobs or 0)
         session_id = self.session_id_of(body, request)
-        runs = await self.chat_path.start_samples(chat, sampling, prompt, **self.engine_kwargs_of(body, session_id))
+        runs = await self.chat_path.start_samples(chat, sampling, prompt,
+                                                  **self.engine_kwargs_of(body, session_id, request))
         for run in runs:
             run.report_usage_to(request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -227,7 +253,7 @@ class OpenAIServing:
         self.check_request(body)
         if body.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        prompts = self._prompts_of(body.prompt)
+        prompts = await self.chat_path.off_loop(self._prompts_of, body.prompt)
         if body.stream and len(prompts) > 1:
             raise APIError("a streaming completion takes one prompt; got a list of "
                            f"{len(prompts)}", param="prompt")
@@ -238,7 +264,7 @@ class OpenAIServing:
             raise APIError("best_of > n cannot be streamed (the best samples are known only at the end)",
                            param="best_of")
         session_id = self.session_id_of(body, request)
-        kwargs = self.engine_kwargs_of(body, session_id)
+        kwargs = self.engine_kwargs_of(body, session_id, request)
         samplings = [self._completion_sampling(body, len(p), best_of) for p in prompts]
         groups: list[list[ChatRun]] = []
         try:
@@ -251,7 +277,7 @@ class OpenAIServing:
             raise
         response_id = f"cmpl-{uuid.uuid4().hex}"
         texts = TokenTexts(self.tokenizer)
-        echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
+        echoes = await self.chat_path.off_loop(lambda: [self.tokenizer.decode(p) if body.echo else "" for p in prompts])
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = CompletionStream(self.model_name, response_id, texts, include_usage,
@@ -299,13 +325,19 @@ class OpenAIServing:
 
     def _prompts_of(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [self.chat_path.text_ids(prompt)]
         if prompt and isinstance(prompt[0], int):
             return [list(prompt)]
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [self.chat_path.text_ids(p) if isinstance(p, str) else list(p) for p in prompt]
 
     # ---- tokenizer routes (vLLM's extension) ----------------------------------------------------
-    def tokenize(self, body: TokenizeRequest) -> dict:
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        return await self.chat_path.off_loop(self._tokenize, body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        return await self.chat_path.off_loop(self._detokenize, body)
+
+    def _tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("send either prompt (text) or messages (a chat), not both or neither", param="prompt")
@@ -315,12 +347,12 @@ class OpenAIServing:
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
             chat = ChatInput(chat_messages(body.messages), tools)
             self.chat_path.check_tools(chat)
-            tokens = self.chat_path.prompt_ids(chat, add_generation_prompt=body.add_generation_prompt)
+            tokens = self.chat_path.prompt_ids(chat, add_generation_prompt=body.add_generation_prompt, bounded=False)
         strs = [self.tokenizer.decode([t], skip_special_tokens=False) for t in tokens] if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens,
                 "token_strs": strs}
 
-    def detokenize(self, body: DetokenizeRequest) -> dict:
+    def _detokenize(self, body: DetokenizeRequest) -> dict:
         self.check_model(body.model)
         vocab = getattr(self.tokenizer, "vocab_size", None)
         if isinstance(vocab, int):

@@ -18,6 +18,14 @@ from agentjax.errors import InvalidRequestError
 from agentjax.structured.spec import COMPACT_JSON, StructuredOutput, compact_schema
 
 GRAMMAR_CACHE_SIZE = 256
+MAX_ERROR_CHARS = 300
+
+
+def first_line(message: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """The error itself from llguidance's message, without the grammar lines it quotes after it (a
+    tool grammar's line holds every tool's whole schema)."""
+    line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -65,8 +73,13 @@ class GrammarBackend:
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.value)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
         if is_error:
-            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} constraint is not usable: {messages[0]}")
+            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} constraint is not usable: "
+                                      f"{first_line(messages[0])}")
         return grammar
+
+    def check(self, spec: StructuredOutput) -> None:
+        """Raises `InvalidRequestError` for a schema or grammar that cannot be used (compiled once, cached)."""
+        self._grammar(spec)
 
     def new_matcher(self, spec: StructuredOutput):
         """A fresh matcher for one request; a bad schema or grammar is an `InvalidRequestError`."""
@@ -75,7 +88,7 @@ class GrammarBackend:
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} constraint is not usable: "
-                                      f"{matcher.get_error()}")
+                                      f"{first_line(matcher.get_error())}")
         return matcher
 
     def fill_bitmask(self, bitmask: np.ndarray, rows: Sequence[tuple[Any, int]]) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from agentjax.config import CompressedAttentionConfig, RopeScaling
 from checkpoints.hf_config import ConfigFields
+from checkpoints.hf_tensors import contiguous
 
 # transformers' DeepseekV4Config defaults
 DEFAULTS = dict(num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024, o_groups=8,
@@ -145,7 +146,7 @@ def attention_config(fields: ConfigFields, num_layers: int) -> dict[str, Any]:
 
 
 def _transposed(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array.T)
+    return contiguous(array.T)
 
 
 def attention_tensors(cfg, layer: int) -> dict[str, tuple[list[str], Callable[[np.ndarray], np.ndarray] | None]]:
@@ -158,7 +159,7 @@ def attention_tensors(cfg, layer: int) -> dict[str, tuple[list[str], Callable[[n
     def grouped(array: np.ndarray) -> np.ndarray:
         if array.ndim != 2 or array.shape[0] != attention.o_groups * attention.o_lora_rank:
             return array  # the loader's shape check names it
-        return np.ascontiguousarray(array.reshape(attention.o_groups, attention.o_lora_rank, -1).transpose(0, 2, 1))
+        return contiguous(array.reshape(attention.o_groups, attention.o_lora_rank, -1).transpose(0, 2, 1))
 
     def spell(upstream: str, hf: str) -> list[str]:
         return [f"attn.{upstream}", f"self_attn.{hf}"]

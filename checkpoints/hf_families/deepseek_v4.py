@@ -19,7 +19,7 @@ from agentjax.errors import ModelConfigError, TensorMismatchError
 from checkpoints.hf_config import ConfigFields
 from checkpoints.hf_families import HFFamily
 from checkpoints.hf_families._deepseek_v4_attention import attention_config, attention_tensors
-from checkpoints.hf_tensors import HFTensors
+from checkpoints.hf_tensors import HFTensors, contiguous
 
 # transformers' DeepseekV4Config defaults (used when config.json leaves a field out)
 DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
@@ -40,9 +40,6 @@ def _mlp_layer_types(fields: ConfigFields, num_layers: int) -> tuple[str, ...]:
 
 def model_config(fields: ConfigFields) -> ModelConfig:
     """A DeepseekV4Config (any of the forms transformers reads) as a ModelConfig."""
-    if fields.has("quantization_config"):
-        raise fields.error("quantization_config", fields.raw["quantization_config"],
-                           "absent (FP8/FP4 DeepSeek-V4 checkpoints are not supported; give bfloat16/float32 weights)")
     fields.choice("hidden_act", ["silu"], default="silu")
     num_layers = fields.integer("num_hidden_layers", DEFAULTS["num_hidden_layers"])
     hidden = fields.integer("hidden_size", DEFAULTS["hidden_size"])
@@ -110,7 +107,7 @@ class _Reader:
             self.tensors.origins[param] = self.root + candidates[0]
             return None
         array = self.tensors.take(name, param=param)
-        self.arrays[param] = np.ascontiguousarray(array.T) if transpose else array
+        self.arrays[param] = contiguous(array.T) if transpose else array
         return self.arrays[param]
 
     def stacked(self, param: str, names: list[list[str]]) -> None:
@@ -154,7 +151,7 @@ def _moe(read: _Reader, src: str, dst: str, cfg: ModelConfig, hashed: bool) -> N
     gate_up, down = f"{dst}mlp.experts.gate_up_proj", f"{dst}mlp.experts.down_proj"
     if read.name([f"{src}mlp.experts.gate_up_proj"]) is not None:  # fused [E, 2I, H] and [E, H, I]: to [E, in, out]
         for param, name in ((gate_up, "gate_up_proj"), (down, "down_proj")):
-            read.arrays[param] = np.ascontiguousarray(read.one(param, [f"{src}mlp.experts.{name}"]).transpose(0, 2, 1))
+            read.arrays[param] = contiguous(read.one(param, [f"{src}mlp.experts.{name}"]).transpose(0, 2, 1))
     else:
         experts = range(cfg.moe.num_experts)
         read.stacked(gate_up, [[f"{src}ffn.experts.{e}.w1.weight", f"{src}ffn.experts.{e}.w3.weight"] for e in experts])

@@ -19,7 +19,7 @@ from agentjax.config import KDAConfig, MLAConfig, ModelConfig
 from agentjax.errors import TensorMismatchError
 from checkpoints.hf_config import ConfigFields
 from checkpoints.hf_families import HFFamily
-from checkpoints.hf_tensors import HFTensors
+from checkpoints.hf_tensors import HFTensors, contiguous
 
 # transformers' KimiLinearConfig defaults (used when config.json leaves a field out)
 DEFAULTS = dict(vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
@@ -56,9 +56,6 @@ def _layer_types(fields: ConfigFields, linear: ConfigFields, num_layers: int) ->
 
 def text_config(fields: ConfigFields) -> ModelConfig:
     """A KimiLinearConfig (plus Kimi-K3's text fields) as a ModelConfig."""
-    if fields.has("quantization_config"):
-        raise fields.error("quantization_config", fields.raw["quantization_config"],
-                           "absent (quantized Kimi checkpoints are not supported; give bfloat16/float32 weights)")
     for key, why in (("mla_use_nope", "true (Kimi's MLA applies no RoPE)"),):
         if fields.raw.get(key, True) is not True:
             raise fields.error(key, fields.raw[key], why)
@@ -174,7 +171,7 @@ class _Reader:
             self.tensors.origins[param] = candidates[0]
             return
         array = self.tensors.take(name, param=param)
-        array = np.ascontiguousarray(array.T) if transpose else array
+        array = contiguous(array.T) if transpose else array
         if shape is not None and array.size == int(np.prod(shape)):
             array = array.reshape(shape)  # A_log [1, 1, H, 1] vs [H], a pseudo-query [1, d] vs [d]
         self.arrays[param] = array
@@ -230,7 +227,7 @@ def _moe(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
     if block + "experts.gate_up_proj" in read.tensors:  # fused [E, 2I, in] and [E, in, I]: to [E, in, out]
         for param, name in ((gate_up, "gate_up_proj"), (down, "down_proj")):
             read.one(param, [block + f"experts.{name}"])
-            read.arrays[param] = np.ascontiguousarray(read.arrays[param].transpose(0, 2, 1))
+            read.arrays[param] = contiguous(read.arrays[param].transpose(0, 2, 1))
     else:
         experts = range(moe.num_experts)
         read.stacked(gate_up, [[block + f"experts.{e}.w1.weight", block + f"experts.{e}.w3.weight"] for e in experts])

@@ -20,7 +20,7 @@ from agentjax.errors import ModelConfigError, TensorMismatchError
 from checkpoints.hf_config import ConfigFields, rope_settings
 from checkpoints.hf_families import HFFamily
 from checkpoints.hf_families._common import decoder_fields
-from checkpoints.hf_tensors import HFTensors
+from checkpoints.hf_tensors import HFTensors, contiguous
 
 logger = logging.getLogger(__name__)
 
@@ -156,15 +156,15 @@ class _Reader:
             self.tensors.origins[param] = candidates[0]
             return
         array = self.tensors.take(name, param=param)
-        array = np.ascontiguousarray(array.T) if transpose else array
+        array = contiguous(array.T) if transpose else array
         self.arrays[param] = _plus_one(array) if norm else array
 
     def split_gate_up(self, params: tuple[str, str], fused: str, width: int, hidden: int) -> None:
         """A fused `[2 * width, hidden]` gate_up weight (gate first) into two `[hidden, width]` kernels."""
         array = self.tensors.take(fused, shape=(2 * width, hidden), param=params[0])
         self.tensors.origins[params[1]] = fused
-        self.arrays[params[0]] = np.ascontiguousarray(array[:width].T)
-        self.arrays[params[1]] = np.ascontiguousarray(array[width:].T)
+        self.arrays[params[0]] = contiguous(array[:width].T)
+        self.arrays[params[1]] = contiguous(array[width:].T)
 
 
 def _attention(read: _Reader, src: str, dst: str, sparse: bool) -> None:
@@ -205,7 +205,7 @@ def _moe(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
         read.one(down, [native + "experts.down_proj"])
         for param in (gate_up, down):  # [E, out, in] -> [E, in, out]
             if param in read.arrays:
-                read.arrays[param] = np.ascontiguousarray(read.arrays[param].transpose(0, 2, 1))
+                read.arrays[param] = contiguous(read.arrays[param].transpose(0, 2, 1))
     else:
         def expert(e: int, w: str, shape: tuple[int, int]) -> np.ndarray:
             return read.tensors.take(f"{original}experts.{e}.{w}.weight", shape=shape, param=gate_up).T

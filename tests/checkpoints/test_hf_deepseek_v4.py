@@ -93,7 +93,8 @@ def test_legacy_config_forms_give_the_same_model(tmp_path):
     (lambda r: r["layer_types"].__setitem__(1, "full_attention"), "layer_types", "compressed_sparse_attention"),
     (lambda r: r["rope_parameters"]["compress"].update(rope_type="llama3"), "rope_parameters.compress.rope_type",
      "'default' or 'yarn'"),
-    (lambda r: r.update(quantization_config={"quant_method": "fp8"}), "quantization_config", "bfloat16/float32"),
+    (lambda r: r.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128]}),
+     "quantization_config.weight_block_size", "[rows, cols]"),
     (lambda r: r.update(scoring_func="relu"), "scoring_func", "'sqrtsoftplus'"),
 ])
 def test_bad_config_fields_are_named(tmp_path, edit, field, words):

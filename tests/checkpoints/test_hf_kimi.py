@@ -167,7 +167,7 @@ def test_fused_experts_and_mlp_spelling_load_like_the_saved_spelling(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
     ({"mla_use_nope": False}, "mla_use_nope"),
-    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantization_config.format"),
     ({"num_experts": "eight"}, "num_experts"),
 ], ids=["kv-heads", "uncovered-layer", "positive-gate-bound", "activation", "softmax-router", "rope-mla",
         "quantized", "non-integer"])

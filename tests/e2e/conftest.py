@@ -153,3 +153,42 @@ def main_server(tmp_path_factory):
     venv = installed_venv(tmp_path_factory.mktemp("venv"))
     with running_server(tmp_path_factory, command=readme_main_command(), env={"AGENTJAX_VENV": str(venv)}) as server:
         yield server
+
+
+PROBERS = tuple(f"prober-{i}" for i in range(8))  # one fresh tenant per probe: a probe caches itself
+TENANT_KEYS = {"alice": "key-alice", "bob": "key-bob", "team-1": "key-team-1", "team-2": "key-team-2",
+               "operator": "key-operator", **{name: f"key-{name}" for name in PROBERS}}
+KEYS_FILE = {"keys": [{"key": TENANT_KEYS["alice"]}, {"key": TENANT_KEYS["bob"]},
+                      {"key": TENANT_KEYS["team-1"], "namespace": "team"},
+                      {"key": TENANT_KEYS["team-2"], "namespace": "team"},
+                      {"key": TENANT_KEYS["operator"], "operator": True},
+                      *({"key": TENANT_KEYS[name]} for name in PROBERS)]}
+
+
+@pytest.fixture(scope="session")
+def tenant_server(tmp_path_factory):
+    """A keyed server (`--api-keys-file`: alice, bob, probers, two keys sharing the namespace "team", an operator)
+    with the host and disk tiers under a device pool too small to keep a few prompts, and an
+    `agentjax router --policy prefix` in front of it with the operator key. Shared by the tenancy and
+    edge-validation tests."""
+    import json
+
+    log_dir = tmp_path_factory.mktemp("tenants")
+    keys_file = log_dir / "keys.json"
+    keys_file.write_text(json.dumps(KEYS_FILE))
+    disk = tmp_path_factory.mktemp("tenant-disk")
+    server = start_server(log_dir, "--model", "preset:tiny-dense", "--num-kv-blocks", "48", "--host-cache-gb",
+                          "0.05", "--disk-cache-dir", str(disk), "--api-keys-file", str(keys_file),
+                          "--default-max-tokens", "4")  # a fuzzed body that loses its budget stays short
+    server.api_key = TENANT_KEYS["alice"]
+    router = None
+    try:
+        router = start_server(log_dir, "--policy", "prefix", "--health-interval", "0.2", "--replica",
+                              server.base_url, "--operator-key", TENANT_KEYS["operator"],
+                              command=[sys.executable, "-m", "agentjax.cli", "--log-level", "INFO", "router"])
+        server.router = router
+        yield server
+    finally:
+        if router is not None:
+            assert stop_server(router) == 0, router.log_tail()
+        assert stop_server(server) == 0, server.log_tail()

@@ -1,8 +1,9 @@
-"""Pages come back: a stream closed by its client is aborted at once, and 32 concurrent agent sessions
+"""Pages come back: a stream closed by its client is aborted at once (and counted as an error), and 32 concurrent agent sessions
 of 5 turns finish without errors and leave the KV pool as they found it."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -28,8 +29,16 @@ def wait_for_metric_at_most(server, name: str, value: float, within_s: float) ->
     return time.monotonic() - started
 
 
+def dropped_streams(server) -> float:
+    """Replies whose client left before the end: `agentjax:request_errors_total{status="499"}`."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    match = re.search(r'^agentjax:request_errors_total\{status="499"\} (\S+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
 def test_closing_a_stream_after_3_chunks_returns_pages_to_baseline_within_1s(server):
     baseline = server.metric(USED)
+    dropped = dropped_streams(server)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a very long story about ships."}],
             "max_tokens": 400, "ignore_eos": True, "temperature": 0.7, "seed": 1, "stream": True}
     with httpx.Client(timeout=CLIENT_TIMEOUT_S) as client:
@@ -44,6 +53,7 @@ def test_closing_a_stream_after_3_chunks_returns_pages_to_baseline_within_1s(ser
         # leaving the block closes the connection mid-stream
     wait_for_metric_at_most(server, USED, baseline, within_s=1.0)
     assert server.metric("agentjax:num_requests_running") == 0
+    assert dropped_streams(server) == dropped + 1  # the dropped stream is counted as an error
     server.assert_healthy()
 
 

@@ -1,7 +1,7 @@
 """Replicas without a network: an `httpx.MockTransport` that answers for several fake replicas.
 
-A `FakeReplica` answers /health, /metrics, /kv/events, the KV transfer routes (/kv/prefill,
-/kv/flush) and the generating routes (a streamed or whole OpenAI, Anthropic or Responses reply),
+A `FakeReplica` answers /health, /metrics, /kv/events, /kv/prompt_hashes, the KV transfer routes
+(/kv/prefill, /kv/flush) and the generating routes (a streamed or whole OpenAI, Anthropic or Responses reply),
 records what it received, and can be made to refuse connections, answer a status, or break its
 stream before or after its first output.
 """
@@ -55,11 +55,17 @@ class FakeReplica:
     mooncake_degraded: float | None = None  # agentjax:kv_offload_tier_degraded{tier="mooncake"} on /metrics
     kv_calls: list[tuple[str, dict, httpx.Headers]] = field(default_factory=list)  # (path, body, headers)
     gate_open: bool = False  # mode "gated": the reply waits for it
+    router_calls: list[tuple[str, httpx.Headers]] = field(default_factory=list)  # the router's own calls
+    prompt_hashes: list[str] = field(default_factory=list)  # POST /kv/prompt_hashes answers these page keys
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         if self.mode == "refuse":
             raise httpx.ConnectError("All connection attempts failed", request=request)
         path = request.url.path
+        if path in ("/health", "/metrics", "/kv/events", "/kv/prompt_hashes"):
+            self.router_calls.append((path, request.headers))
+        if path == "/kv/prompt_hashes":
+            return httpx.Response(200, json={"page_keys": self.prompt_hashes})
         if path == "/health":
             return httpx.Response(self.health_status, json={"status": "ok"})
         if path == "/metrics":

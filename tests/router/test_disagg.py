@@ -35,7 +35,8 @@ def test_a_new_sessions_prompt_is_prefilled_into_mooncake_then_decoded_and_later
     with pd_client(cluster) as client:
         first = client.post("/v1/chat/completions", json=CHAT,
                             headers={"X-Session-ID": "s", "Authorization": "Bearer secret"})
-        second = client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        second = client.post("/v1/chat/completions", json=CHAT,
+                             headers={"X-Session-ID": "s", "Authorization": "Bearer secret"})
         stored = metric(client, "agentjax:router_pd_prefills_total", outcome="stored")
         seconds = metric(client, "agentjax:router_pd_prefill_seconds_count")
     home = first.headers["x-agentjax-replica"]

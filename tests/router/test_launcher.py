@@ -17,3 +17,9 @@ def test_bad_router_flags_exit_with_a_clear_message(capsys):
     assert "--prefill-replica" in capsys.readouterr().err
     assert main(["router", "--replica", "h:1"]) == 2
     assert "must look like http://HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_operator_key_comes_from_the_flag_else_the_environment(monkeypatch):
+    monkeypatch.setenv("AGENTJAX_OPERATOR_KEY", "from-env")
+    assert build_parser().parse_args(["router", "--replica", "http://h:1"]).operator_key == "from-env"
+    assert build_parser().parse_args(["router", "--replica", "http://h:1", "--operator-key", "ops"]).operator_key == "ops"

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from agentjax.errors import InvalidRequestError, PromptTooLongError
+from agentjax.errors import InvalidRequestError, PromptTooLongError, TokenLimitError
 from agentjax.logprobs import TokenLogprobs
 from agentjax.scheduler.request import EngineOutput
 
@@ -24,15 +24,17 @@ class FakeTokenizer:
 
     stop_token_ids = (EOS,)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        if max_tokens is not None and len(text) > max_tokens:
+            raise TokenLimitError(len(text), max_tokens)
         return [ord(c) + 1 for c in text]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(i - 1) for i in ids if i != EOS)
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
+    def encode_chat(self, messages, add_generation_prompt: bool = True, tools=None, max_tokens=None) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""), max_tokens=max_tokens)
 
 
 @dataclass

@@ -212,3 +212,38 @@ def test_a_stream_its_client_leaves_is_logged_with_its_prompt_and_cached_tokens(
 def test_health_and_metrics_answer_head_probes(client):
     assert client.head("/metrics").status_code == 200
     assert client.head("/health").status_code == 200
+
+
+def test_too_many_stop_strings_get_a_400_that_names_the_limit():
+    many = [f"s{i}" for i in range(10_000)]
+    with TestClient(make_app(limits=ServerLimits(max_request_body_bytes=2**20))) as client:
+        check_stop_string_limits(client, many)
+
+
+def check_stop_string_limits(client, many):
+    error = assert_error(client.post("/v1/chat/completions", json={**CHAT, "stop": many}), 400,
+                         "at most 16 stop strings are allowed, got 10000")
+    assert error["param"] == "stop"
+    assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stop": many[:16]}).status_code == 200
+    anthropic = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "stop_sequences": many,
+                                                  "messages": [{"role": "user", "content": "hi"}]})
+    assert anthropic.status_code == 400 and "at most 16" in anthropic.json()["error"]["message"]
+
+
+def dropped(client) -> float:
+    import re
+
+    match = re.search(r'^agentjax:request_errors_total\{status="499"\} (\S+)$', client.get("/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_stream_its_client_leaves_is_counted_as_an_error_and_a_finished_one_is_not(client):
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 60, "stream": True}) as response:
+        next(line for line in response.iter_lines() if '"content":"' in line and '"content":""' not in line)
+    deadline = time.monotonic() + 10
+    while dropped(client) < 1:
+        assert time.monotonic() < deadline, client.get("/metrics").text
+        time.sleep(0.02)
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
+        assert list(response.iter_lines())[-2] == "data: [DONE]"
+    assert dropped(client) == 1

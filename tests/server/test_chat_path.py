@@ -138,3 +138,47 @@ def test_a_request_the_kv_pool_cannot_hold_names_its_cause(path, prompt_body, pr
         assert too_much_output.status_code == 400
         assert too_much_output.json()["error"]["param"] == "max_tokens"
         assert too_much_output.json()["error"]["code"] == "kv_pool_too_small"
+
+
+class GrammarEngine(FakeEngine):
+    """A fake engine with the real structured-output backend (SmolLM2's tokenizer), compiling a request's
+    constraint in `add_request` as `Engine` does."""
+
+    backend = None
+
+    @property
+    def grammar(self):
+        if GrammarEngine.backend is None:
+            from agentjax.models import _tokenizer_from_gguf
+            from agentjax.structured.backend import GrammarBackend
+            from checkpoints.embedded import smollm2_path
+
+            tokenizer = _tokenizer_from_gguf(smollm2_path())
+            GrammarEngine.backend = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.stop_token_ids)
+        return GrammarEngine.backend
+
+    def add_request(self, prompt, sampling, request_id=None, **kwargs):
+        if sampling.structured is not None:
+            self.grammar.new_matcher(sampling.structured)
+        return super().add_request(prompt, sampling, request_id, **kwargs)
+
+
+def tool(name: str, argument_type: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": "d" * 2000, "parameters": {
+        "type": "object", "properties": {"a": {"type": argument_type}}}}}
+
+
+def test_a_tool_schema_is_checked_under_auto_as_under_a_forced_choice_with_a_short_message():
+    tools = [tool(f"ok_{i}", "string") for i in range(20)] + [tool("broken", "nonsense")]
+    with TestClient(create_app(GrammarEngine(), FakeTokenizer(), model_name=MODEL)) as client:
+        answers = {str(choice): client.post("/v1/chat/completions", json=chat("hi", tools=tools, tool_choice=choice,
+                                                                             max_tokens=2))
+                   for choice in ("auto", "required", {"type": "function", "function": {"name": "broken"}})}
+        fine = client.post("/v1/chat/completions", json=chat("hi", tools=tools[:20], max_tokens=2))
+    errors = {choice: answer.json()["error"] for choice, answer in answers.items()}
+    assert all(answer.status_code == 400 for answer in answers.values()), errors
+    assert len({error["message"] for error in errors.values()}) == 1, errors  # the same check, the same words
+    error = errors["auto"]
+    assert error["param"] == "tools" and "Invalid type: nonsense" in error["message"]
+    assert len(error["message"]) < 400 and "%json" not in error["message"]  # not the tools' grammar (~45 KB)
+    assert fine.status_code == 200

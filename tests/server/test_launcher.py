@@ -72,3 +72,24 @@ def test_warm_up_skips_a_data_parallel_engine_and_builds_nothing(caplog):
         warm_up_engine(engine, "decode")
     assert "warm-up skipped" in caplog.text
     assert engine.stats()["compiled_executables"] == 0
+
+
+def test_key_flags_build_the_key_ring_and_the_environment_stands_in_for_missing_flags(monkeypatch, tmp_path):
+    import json
+
+    from agentjax.server.launcher import key_ring_from_args
+
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps({"keys": [{"key": "f1", "namespace": "team"}]}))
+    monkeypatch.setenv("AGENTJAX_API_KEY", "from-env")
+    monkeypatch.setenv("AGENTJAX_OPERATOR_KEY", "ops-env")
+    args = build_parser().parse_args(["serve", "--api-key", "k1", "--api-key", "k2", "--api-keys-file",
+                                      str(keys_file), "--metrics-without-key"])
+    ring = key_ring_from_args(args)
+    assert args.metrics_without_key and len(ring) == 4  # k1, k2, f1 and the operator key from the environment
+    assert ring.tenant_for("from-env") is None  # --api-key given: the environment's key is not added
+    assert ring.tenant_for("ops-env").operator and ring.tenant_for("f1").namespace == "name:team"
+    assert key_ring_from_args(build_parser().parse_args(["serve"])).tenant_for("from-env") is not None
+    monkeypatch.delenv("AGENTJAX_API_KEY")
+    monkeypatch.delenv("AGENTJAX_OPERATOR_KEY")
+    assert not key_ring_from_args(build_parser().parse_args(["serve"])).enabled
