@@ -100,7 +100,7 @@ class Engine:
         if offload is None and engine_cfg.kv_offload_enabled:  # host, disk and Mooncake tiers (agentjax.kv.offload)
             from agentjax.runner.offload_worker import build_offload
 
-            self.offload, self.offload_worker = build_offload(engine_cfg, model_cfg, params, self.kv)
+            self.offload, self.offload_worker = build_offload(engine_cfg, model_cfg, params, self.kv, self.runner)
         self.speculator = make_speculator(engine_cfg, drafting)
         self.scheduler = Scheduler(engine_cfg, self.kv, offload=self.offload, speculator=self.speculator,
                                    max_model_len=self.max_model_len)

@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from agentjax.config import EngineConfig
 from agentjax.errors import CorruptCheckpointError, OffloadTierError
@@ -38,7 +37,7 @@ from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryS
 from agentjax.kv.offload.mooncake import MooncakeError, MooncakeTier
 from agentjax.kv.offload.tiers import OffloadStats, TierHealth, TIER_NAMES
 from agentjax.ragged_batch import bucket
-from agentjax.runner.compilation_cache import with_compile_notice
+from agentjax.runner.page_mover import page_mover
 
 logger = logging.getLogger(__name__)
 
@@ -52,47 +51,23 @@ def _padded(values: list[int], size: int, fill: int | None = None) -> np.ndarray
     return out
 
 
-def _write_pages(buffer, values, pages):
-    """`buffer[:, pages[i]] = values[:, i]`, one page slice at a time (XLA's CPU scatter is element by
-    element; a loop of dynamic_update_slice moves whole pages, as `model_runner.copy_pages` does)."""
-
-    def write_one(i, out):
-        page = jax.lax.dynamic_slice_in_dim(values, i, 1, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(out, page, pages[i], axis=1)
-
-    return jax.lax.fori_loop(0, pages.shape[0], write_one, buffer)
-
-
 class OffloadWorker:
     """Host page pools, the jitted page movers and one thread per remote tier."""
 
     def __init__(self, model_cfg, page_size: int, connector: OffloadConnector, host_slots: int = 0,
-                 load_timeout_s: float = EngineConfig.kv_load_timeout_s):
+                 load_timeout_s: float = EngineConfig.kv_load_timeout_s, mover=None):
+        """`mover` (agentjax/runner/page_mover.py): how pages leave and reach the runner's buffers; by
+        default one device's buffers of `page_size`-token pages."""
         self.connector = connector
         self.results = connector.results
         self.stats: OffloadStats = connector.stats
         self.health: dict[str, TierHealth] = connector.health
         self.disk: DiskTier | None = connector.disk
         self.mooncake: MooncakeTier | None = connector.mooncake
-        self.specs = kv_buffer_specs(model_cfg, page_size)
-        device = jax.devices()[0]
-        self.device_sharding = SingleDeviceSharding(device, memory_kind="device")
-        self.host_sharding = SingleDeviceSharding(device, memory_kind="pinned_host")
-        self.host_pools = []
-        if host_slots:
-            for spec in self.specs:
-                shape = (spec.num_slots, host_slots, *spec.page_shape)
-                self.host_pools.append(jax.device_put(np.zeros(shape, dtype=jax.numpy.dtype(spec.dtype)),
-                                                      self.host_sharding))
-        self._gather = with_compile_notice(jax.jit(lambda buffer, pages: buffer[:, pages],
-                                                   out_shardings=self.host_sharding), "the KV page copy to the host")
-        self._host_put = with_compile_notice(jax.jit(lambda pool, values, slots: pool.at[:, slots].set(values),
-                                                     donate_argnums=(0,), out_shardings=self.host_sharding),
-                                             "the host tier's page store")
-        self._host_load = with_compile_notice(jax.jit(self._load_from_host, donate_argnums=(0,),
-                                                      out_shardings=self.device_sharding), "the host tier's page load")
-        self._scatter = with_compile_notice(jax.jit(_write_pages, donate_argnums=(0,),
-                                                    out_shardings=self.device_sharding), "the KV page write")
+        self.mover = mover or page_mover(model_cfg, page_size)
+        self.specs = self.mover.specs
+        self.host_pools = [self.mover.new_host_pool(group, host_slots) for group in range(len(self.mover.specs))] \
+            if host_slots else []
         self._fetched: queue.Queue = queue.Queue()
         self.loads = InFlightLoads(load_timeout_s)  # the parts of each load job still out, and its deadline
         self._queues: dict[str, queue.PriorityQueue] = {}
@@ -105,10 +80,6 @@ class OffloadWorker:
                                           daemon=True)
                 thread.start()
                 self._threads.append(thread)
-
-    def _load_from_host(self, buffer, pool, slots, pages):
-        values = pool[:, jax.device_put(slots, self.host_sharding)]  # gather in host memory, move the pages
-        return _write_pages(buffer, jax.device_put(values, self.device_sharding), pages)
 
     # -- the step ----------------------------------------------------------------------------------
     def run(self, runner, transfers: KVTransfers | None) -> None:
@@ -193,11 +164,11 @@ class OffloadWorker:
         """One gather of the job's pages into pinned host memory; the host pool takes its rows at once,
         the disk and Mooncake threads theirs in the background."""
         size = bucket(len(job.pages), TRANSFER_BUCKETS)
-        gathered = self._gather(runner.kv_pages[job.group], _padded(job.pages, size, fill=0))
+        gathered = self.mover.gather(runner.kv_pages, job.group, _padded(job.pages, size, fill=0))
         host_rows = job.tier_rows("host")
         if host_rows:
             slots = _padded(job.host_slots, size, fill=0)  # rows not for the host write slot 0 (never read)
-            self.host_pools[job.group] = self._host_put(self.host_pools[job.group], gathered, slots)
+            self.host_pools[job.group] = self.mover.host_put(self.host_pools[job.group], gathered, slots)
             self.stats.add("pages_stored", "host", len(host_rows))
         for tier in ("disk", "mooncake"):
             rows = job.tier_rows(tier)
@@ -213,7 +184,7 @@ class OffloadWorker:
             if not health.storable():
                 self.stats.add("store_skipped", tier, len(targets) - len(stored))
                 break
-            payload = np.ascontiguousarray(values[:, row]).view(np.uint8).reshape(-1)
+            payload = self.mover.payload(values, row)
             try:
                 if tier == "disk":
                     self.disk.write(key, payload, score)
@@ -263,18 +234,15 @@ class OffloadWorker:
                 size = bucket(len(transfers), TRANSFER_BUCKETS)
                 slots = _padded([t.slot for t in transfers], size)
                 pages = _padded([t.page for t in transfers], size)
-                runner.kv_pages = self._replace(runner.kv_pages, group,
-                                                self._host_load(runner.kv_pages[group], self.host_pools[group],
-                                                                slots, pages))
+                runner.kv_pages = self.mover.host_load(runner.kv_pages, group, self.host_pools[group], slots, pages)
             else:
                 self._submit(tier, 0, functools.partial(self._fetch, tier, job.job_id, group, transfers))
         if not remote:
             self._part_done(job.job_id, None, {})
 
     def _fetch(self, tier: str, job_id: int, group: int, transfers: list) -> None:
-        spec = self.specs[group]
-        dtype = jax.numpy.dtype(spec.dtype)
-        values = np.empty((spec.num_slots, len(transfers), *spec.page_shape), dtype=dtype)
+        page_bytes = self.mover.page_bytes(group)
+        values = self.mover.empty_values(group, len(transfers))
         pages: list[int] = []
         rows: list[int] = []
         failed: dict = {}
@@ -288,9 +256,9 @@ class OffloadWorker:
                 continue
             try:
                 if tier == "disk":
-                    data = self.disk.read(key, spec.bytes_per_page)
+                    data = self.disk.read(key, page_bytes)
                 else:
-                    data = self.mooncake.get(key, spec.bytes_per_page)
+                    data = self.mooncake.get(key, page_bytes)
             except KeyError:  # the disk tier dropped the file from its index; Mooncake evicted the object
                 self.stats.add("load_failures", tier, reason="missing")
                 failed[key] = ("missing", f"{tier} KV page {transfer.key.hex()[:16]} of group {group} is gone")
@@ -307,26 +275,24 @@ class OffloadWorker:
                 continue
             finally:
                 self.loads.answered(tier)
-            values[:, len(rows)] = np.frombuffer(data, dtype=dtype).reshape(spec.num_slots, *spec.page_shape)
+            self.mover.put_payload(values, len(rows), group, data)
             rows.append(len(rows))
             pages.append(transfer.page)
         self.loads.fetched(job_id, (tier, group))  # the padding and the device copy below are no tier's delay
         if pages:  # pad to a compiled size and start the host-to-device copy here, off the step path
             size = bucket(len(pages), TRANSFER_BUCKETS)
-            values = values[:, : len(pages)]
+            axis = self.mover.page_axis
+            values = np.take(values, np.arange(len(pages)), axis=axis)
             if size != len(pages):
-                values = np.concatenate([values, np.repeat(values[:, -1:], size - len(pages), axis=1)], axis=1)
-            values = jax.device_put(values, self.device_sharding)
+                last = np.take(values, [len(pages) - 1], axis=axis)
+                values = np.concatenate([values, np.repeat(last, size - len(pages), axis=axis)], axis=axis)
+            values = self.mover.to_device(values)
             pages = _padded(pages, size)
         self._fetched.put((job_id, (tier, group), values, pages, failed))
 
     def _scatter_into(self, runner, group: int, values, pages: np.ndarray) -> None:
         """Write fetched pages (already on the device, padded) into the group's buffer."""
-        runner.kv_pages = self._replace(runner.kv_pages, group, self._scatter(runner.kv_pages[group], values, pages))
-
-    @staticmethod
-    def _replace(buffers: tuple, group: int, new) -> tuple:
-        return buffers[:group] + (new,) + buffers[group + 1:]
+        runner.kv_pages = self.mover.scatter(runner.kv_pages, group, values, pages)
 
     def _part_done(self, job_id: int, part, failed: dict) -> None:
         if part is None:  # a job of host pages only: done at dispatch
@@ -355,10 +321,11 @@ class OffloadWorker:
 
 
 # -- construction -----------------------------------------------------------------------------------
-def offload_namespace(model_cfg, params, page_size: int, numerics: str) -> str:
-    """A name for this model's pages in shared tiers: its config, page size, numerics and a fingerprint
-    of its weights (a page written under other weights or numerics is never read back)."""
-    digest = hashlib.sha256(repr((model_cfg, page_size, numerics)).encode())
+def offload_namespace(model_cfg, params, page_size: int, numerics: str, layout: str = "") -> str:
+    """A name for this model's pages in shared tiers: its config, page size, numerics, parallel `layout`
+    (a laid-out page is every device's part of it) and a fingerprint of its weights (a page written under
+    other weights, numerics or layout is never read back)."""
+    digest = hashlib.sha256(repr((model_cfg, page_size, numerics, *([layout] if layout else []))).encode())
     for leaf in jax.tree.leaves(params)[:8]:
         digest.update(repr((leaf.shape, str(leaf.dtype))).encode())
         digest.update(np.asarray(jax.device_get(leaf.reshape(-1)[:64])).tobytes())
@@ -378,16 +345,20 @@ def tier_entry_score(model_cfg, kv, page_size: int) -> TierEntryScore:
                                  for group, spec in zip(kv.groups, specs)])
 
 
-def build_offload(engine_cfg, model_cfg, params, kv) -> tuple[OffloadConnector, OffloadWorker]:
-    """The connector's two sides for the tiers `engine_cfg` asks for; `OffloadTierError` if one cannot start.
-    The host and disk tiers choose victims by `tier_entry_score` and recency."""
+def build_offload(engine_cfg, model_cfg, params, kv, runner=None) -> tuple[OffloadConnector, OffloadWorker]:
+    """The connector's two sides for the tiers `engine_cfg` asks for, over `runner`'s KV buffers (one
+    device's, or a laid-out runner's); `OffloadTierError` if one cannot start. The host and disk tiers
+    choose victims by `tier_entry_score` and recency."""
     stats = OffloadStats()
     health = {name: TierHealth(name, stats) for name in TIER_NAMES}
-    namespace = offload_namespace(model_cfg, params, engine_cfg.block_size, engine_cfg.numerics)
+    parallel = engine_cfg.parallel
+    namespace = offload_namespace(model_cfg, params, engine_cfg.block_size, engine_cfg.numerics,
+                                  "" if parallel.is_single_device else parallel.name)
+    mover = page_mover(model_cfg, engine_cfg.block_size, runner)
     host = disk = mooncake = None
     host_slots = 0
-    if engine_cfg.host_cache_gb > 0:
-        page_bytes = sum(spec.bytes_per_page for spec in kv_buffer_specs(model_cfg, engine_cfg.block_size))
+    if engine_cfg.host_cache_gb > 0:  # a slot holds one page of every group, every device's part of it
+        page_bytes = sum(mover.page_bytes(group) for group in range(len(mover.specs)))
         host_slots = int(engine_cfg.host_cache_gb * 2**30) // page_bytes
         host = HostPageIndex(len(kv.groups), host_slots, scored=True)
     if engine_cfg.disk_cache_dir:
@@ -398,7 +369,8 @@ def build_offload(engine_cfg, model_cfg, params, kv) -> tuple[OffloadConnector, 
         raise OffloadTierError("no KV offload tier was asked for (host_cache_gb, disk_cache_dir, mooncake_master)")
     connector = OffloadConnector(kv, host, disk, mooncake, engine_cfg.kv_offload_retention, stats, health,
                                  entry_score=tier_entry_score(model_cfg, kv, engine_cfg.block_size))
-    worker = OffloadWorker(model_cfg, engine_cfg.block_size, connector, host_slots, engine_cfg.kv_load_timeout_s)
+    worker = OffloadWorker(model_cfg, engine_cfg.block_size, connector, host_slots, engine_cfg.kv_load_timeout_s,
+                           mover=mover)
     logger.warning("KV offload tiers: %s (namespace %s%s)", ", ".join(connector.tiers), namespace,
                    f", {host_slots} host pages" if host_slots else "")
     return connector, worker

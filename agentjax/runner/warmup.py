@@ -157,20 +157,16 @@ def warm_up(engine, level: str = "all") -> WarmupReport:
 def warm_page_movers(engine) -> None:
     """The offload worker's page gather, host store and load, and device write at each transfer bucket up
     to one request's pages, on the null page."""
-    import jax
-
     from agentjax.runner.offload_worker import TRANSFER_BUCKETS
 
     worker, runner = engine.offload_worker, engine.runner
+    mover = worker.mover
     most = max(page_table_lengths(engine.kv, engine.max_model_len))
     for size in _buckets_up_to(most, TRANSFER_BUCKETS):
         nulls = np.zeros(size, np.int32)
         for group in range(len(runner.kv_pages)):
-            gathered = worker._gather(runner.kv_pages[group], nulls)
+            gathered = mover.gather(runner.kv_pages, group, nulls)
             if worker.host_pools:
-                worker.host_pools[group] = worker._host_put(worker.host_pools[group], gathered, nulls)
-                loaded = worker._host_load(runner.kv_pages[group], worker.host_pools[group], nulls, nulls)
-                runner.kv_pages = worker._replace(runner.kv_pages, group, loaded)
-            values = jax.device_put(np.asarray(gathered), worker.device_sharding)
-            runner.kv_pages = worker._replace(runner.kv_pages, group,
-                                              worker._scatter(runner.kv_pages[group], values, nulls))
+                worker.host_pools[group] = mover.host_put(worker.host_pools[group], gathered, nulls)
+                runner.kv_pages = mover.host_load(runner.kv_pages, group, worker.host_pools[group], nulls, nulls)
+            runner.kv_pages = mover.scatter(runner.kv_pages, group, mover.to_device(np.asarray(gathered)), nulls)

@@ -1,0 +1,77 @@
+"""KV offload tiers under a parallel layout (agentjax/runner/page_mover.py's sharded mover, on 8 virtual
+CPU devices): a conversation whose pages left the device between turns comes back from the host or disk
+tier token-exact against one device without the cache (numerics="batch_invariant"), on tiny-dense
+under TP2 and on tiny-kimi-k3 (MLA latents and a recurrent state) under TP2 x DCP2; and the layouts the
+tiers do not run with yet say so."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offload_conversation import expected_hits, make_engine, run_conversation  # noqa: E402
+
+from agentjax.errors import ParallelLayoutError  # noqa: E402
+from agentjax.models import load_model  # noqa: E402
+from tests.sharding.parity import need_devices  # noqa: E402
+
+DENSE_FIRST = [(7919 * i) % 40000 + 3 for i in range(70)]
+DENSE_FOLLOW_UPS = [[(104729 * i) % 40000 + 3 for i in range(20)]]
+KIMI_FIRST = [(7919 * i) % 40000 + 3 for i in range(150)]
+KIMI_FOLLOW_UPS = [[(104729 * i) % 40000 + 3 for i in range(40)]]
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return load_model("preset:tiny-dense")
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return load_model("preset:tiny-kimi-k3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_tp2_conversation_from_a_tier_is_token_exact_against_one_device(dense, tier, tmp_path):
+    need_devices()
+    reference = run_conversation(make_engine(*dense, enable_prefix_caching=False), DENSE_FIRST, DENSE_FOLLOW_UPS,
+                                 evict=False)[0]
+    settings = {"host_cache_gb": 0.01} if tier == "host" else {"disk_cache_dir": str(tmp_path / "kv")}
+    engine = make_engine(*dense, tensor_parallel_size=2, **settings)
+    assert engine.offload_worker.mover.num_devices == 2
+    replies, cached, computed = run_conversation(engine, DENSE_FIRST, DENSE_FOLLOW_UPS)
+    assert replies == reference
+    assert cached == expected_hits(computed) == [0, 64]  # every page of turn 1 came back from the tier
+    offload = engine.stats()["kv_offload"]
+    assert offload["pages_loaded"][tier] == cached[1] // 16  # the device held none of them
+    engine.offload_worker.close()
+
+
+@pytest.mark.slow
+def test_kimi_tp2_dcp2_latents_and_recurrent_state_from_the_host_tier_are_token_exact(kimi):
+    """Under DCP each device holds half of a 32-token page's tokens: a page leaves and returns as every
+    device's part; the recurrent state (replicated over DCP, split over TP) with it."""
+    need_devices()
+    reference = run_conversation(make_engine(*kimi, enable_prefix_caching=False), KIMI_FIRST, KIMI_FOLLOW_UPS,
+                                 evict=False)[0]
+    engine = make_engine(*kimi, tensor_parallel_size=2, decode_context_parallel_size=2, host_cache_gb=0.02)
+    replies, cached, computed = run_conversation(engine, KIMI_FIRST, KIMI_FOLLOW_UPS)
+    assert replies == reference
+    assert cached == expected_hits(computed, checkpoint=64) == [0, 128]  # the last state checkpoint
+    offload = engine.stats()["kv_offload"]
+    assert offload["pages_loaded"]["host"] == cached[1] // 32 + 1  # 32-token latent pages and one state
+    engine.offload_worker.close()
+
+
+def test_data_parallel_and_several_processes_refuse_the_tiers_in_one_line(dense):
+    need_devices()
+    from agentjax.config import EngineConfig
+    from agentjax.runner.sharded_runner import check_engine_layout
+
+    for layout in (dict(data_parallel_size=2), dict(num_processes=2, coordinator_address="127.0.0.1:1")):
+        with pytest.raises(ParallelLayoutError, match="KV offload tiers do not run with data parallelism or several "
+                                                      "processes yet"):
+            check_engine_layout(dense[0], EngineConfig(host_cache_gb=0.01, **layout))
