@@ -1,7 +1,7 @@
 """KV offload tiers under a parallel layout (agentjax/runner/page_mover.py's sharded mover, on 8 virtual
 CPU devices): a conversation whose pages left the device between turns comes back from the host or disk
 tier token-exact against one device without the cache (numerics="batch_invariant"), on tiny-dense
-under TP2 and on tiny-kimi-k3 (MLA latents and a recurrent state) under TP2 x DCP2; and the layouts the
+under TP2 and PCP2 x TP2 and on tiny-kimi-k3 (MLA latents and a recurrent state) under TP2 x DCP2; and the layouts the
 tiers do not run with yet say so."""
 from __future__ import annotations
 
@@ -33,15 +33,24 @@ def kimi():
     return load_model("preset:tiny-kimi-k3")
 
 
+@pytest.fixture(scope="module")
+def dense_reference(dense):
+    return run_conversation(make_engine(*dense, enable_prefix_caching=False), DENSE_FIRST, DENSE_FOLLOW_UPS,
+                            evict=False)[0]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_tp2_conversation_from_a_tier_is_token_exact_against_one_device(dense, tier, tmp_path):
+@pytest.mark.parametrize("tier, layout", [("host", dict(tensor_parallel_size=2)),
+                                          ("disk", dict(tensor_parallel_size=2)),
+                                          ("host", dict(prefill_context_parallel_size=2, tensor_parallel_size=2))],
+                         ids=["tp2-host", "tp2-disk", "pcp2-tp2-host"])
+def test_a_laid_out_conversation_from_a_tier_is_token_exact_against_one_device(dense, dense_reference, tier, layout,
+                                                                              tmp_path):
     need_devices()
-    reference = run_conversation(make_engine(*dense, enable_prefix_caching=False), DENSE_FIRST, DENSE_FOLLOW_UPS,
-                                 evict=False)[0]
+    reference = dense_reference
     settings = {"host_cache_gb": 0.01} if tier == "host" else {"disk_cache_dir": str(tmp_path / "kv")}
-    engine = make_engine(*dense, tensor_parallel_size=2, **settings)
-    assert engine.offload_worker.mover.num_devices == 2
+    engine = make_engine(*dense, **layout, **settings)
+    assert engine.offload_worker.mover.num_devices == engine.config.parallel.num_devices
     replies, cached, computed = run_conversation(engine, DENSE_FIRST, DENSE_FOLLOW_UPS)
     assert replies == reference
     assert cached == expected_hits(computed) == [0, 64]  # every page of turn 1 came back from the tier
