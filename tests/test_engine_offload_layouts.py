@@ -1,8 +1,8 @@
 """KV offload tiers under a parallel layout (agentjax/runner/page_mover.py's sharded mover, on 8 virtual
-CPU devices): a conversation whose pages left the device between turns comes back from the host or disk
-tier token-exact against one device without the cache (numerics="batch_invariant"), on tiny-dense
-under TP2 and PCP2 x TP2 and on tiny-kimi-k3 (MLA latents and a recurrent state) under TP2 x DCP2; and the layouts the
-tiers do not run with yet say so."""
+CPU devices): a conversation whose pages left the device between turns comes back from the host, disk or
+Mooncake tier token-exact against one device without the cache (numerics="batch_invariant"), on
+tiny-dense under TP2 and PCP2 x TP2 and on tiny-kimi-k3 (MLA latents and a recurrent state) under
+TP2 x DCP2; and the layouts the tiers do not run with yet say so."""
 from __future__ import annotations
 
 import sys
@@ -34,6 +34,23 @@ def kimi():
 
 
 @pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    pytest.importorskip("mooncake.store", reason="the Mooncake wheel (and libibverbs1) is not installed")
+    from agentjax.kv.offload.mooncake import MooncakeMaster
+
+    with MooncakeMaster(log_path=tmp_path_factory.mktemp("mooncake") / "master.log") as master:
+        yield master
+
+
+def _tier_settings(tier: str, tmp_path, request) -> dict:
+    if tier == "host":
+        return {"host_cache_gb": 0.01}
+    if tier == "disk":
+        return {"disk_cache_dir": str(tmp_path / "kv")}
+    return {"mooncake_master": request.getfixturevalue("mooncake_master").address, "mooncake_segment_gb": 0.25}
+
+
+@pytest.fixture(scope="module")
 def dense_reference(dense):
     return run_conversation(make_engine(*dense, enable_prefix_caching=False), DENSE_FIRST, DENSE_FOLLOW_UPS,
                             evict=False)[0]
@@ -42,14 +59,14 @@ def dense_reference(dense):
 @pytest.mark.slow
 @pytest.mark.parametrize("tier, layout", [("host", dict(tensor_parallel_size=2)),
                                           ("disk", dict(tensor_parallel_size=2)),
+                                          ("mooncake", dict(tensor_parallel_size=2)),
                                           ("host", dict(prefill_context_parallel_size=2, tensor_parallel_size=2))],
-                         ids=["tp2-host", "tp2-disk", "pcp2-tp2-host"])
+                         ids=["tp2-host", "tp2-disk", "tp2-mooncake", "pcp2-tp2-host"])
 def test_a_laid_out_conversation_from_a_tier_is_token_exact_against_one_device(dense, dense_reference, tier, layout,
-                                                                              tmp_path):
+                                                                              tmp_path, request):
     need_devices()
     reference = dense_reference
-    settings = {"host_cache_gb": 0.01} if tier == "host" else {"disk_cache_dir": str(tmp_path / "kv")}
-    engine = make_engine(*dense, **layout, **settings)
+    engine = make_engine(*dense, **layout, **_tier_settings(tier, tmp_path, request))
     assert engine.offload_worker.mover.num_devices == engine.config.parallel.num_devices
     replies, cached, computed = run_conversation(engine, DENSE_FIRST, DENSE_FOLLOW_UPS)
     assert replies == reference

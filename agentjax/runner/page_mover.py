@@ -91,8 +91,8 @@ class BufferPageMover:
 
     def put_payload(self, values: np.ndarray, row: int, group: int, data: bytes) -> None:
         spec = self.specs[group]
-        values[_at(self.page_axis, row)] = np.frombuffer(data, dtype=values.dtype).reshape(*self._lead(), spec.num_slots,
-                                                                        *spec.page_shape)
+        page = np.frombuffer(data, dtype=values.dtype).reshape(*self._lead(), spec.num_slots, *spec.page_shape)
+        values[_at(self.page_axis, row)] = page
 
     def to_device(self, values: np.ndarray):
         """Fetched pages (host numpy, padded) on the devices, ready for `scatter`."""
