@@ -1,5 +1,5 @@
 """Speculative decoding under a parallel layout (8 virtual CPU devices): n-gram drafts are verified by the
-laid-out step as by one device's, so greedy tokens under TP2 and PCP2 x TP2 equal the plain single-device
+laid-out step as by one device's, so greedy tokens under TP2, TP2 x DCP2 and PCP2 x TP2 equal the plain single-device
 run's in numerics="batch_invariant" (scripted drafts accepted in full, in part and not at all; real n-gram
 drafts), and the combinations that do not run yet (a device drafter under a layout, drafts with data
 parallelism) are refused in one line."""
@@ -16,8 +16,9 @@ from tests.test_engine_speculative import NUM_SESSIONS, ScriptedDrafts, _engine,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(tensor_parallel_size=2, decode_context_parallel_size=2),
                                     dict(prefill_context_parallel_size=2, tensor_parallel_size=2)],
-                         ids=["tp2", "pcp2-tp2"])
+                         ids=["tp2", "tp2-dcp2", "pcp2-tp2"])
 def test_scripted_drafts_under_a_layout_keep_the_plain_runs_tokens(layout):
     need_devices()
     engine = _engine("tiny-dense", 3, long_prefill_token_threshold=16, **layout)
