@@ -5,6 +5,7 @@
 #   bash scripts/bootstrap.sh router|bench|sweep [flags...]     # set up, then that agentjax command
 #   bash scripts/bootstrap.sh test [pytest args...]             # set up, then every test (slow ones too)
 #                                                               # in 2 processes (AGENTJAX_TEST_WORKERS)
+#   bash scripts/bootstrap.sh quick [pytest args...]            # the same without the slow tests
 # Set-up is idempotent: a second run only checks what is installed. It prints one line per step and,
 # while a step runs, a line at least every 5 s; pip's own output goes to a log shown on failure.
 set -euo pipefail
@@ -29,9 +30,9 @@ find_python312() {
 
 cmd=${1:-test}
 note() { echo "[bootstrap] $*" >&2; }
-USAGE="usage: bash scripts/bootstrap.sh {serve|generate|router|bench|sweep|test} [args...]"
+USAGE="usage: bash scripts/bootstrap.sh {serve|generate|router|bench|sweep|test|quick} [args...]"
 case "$cmd" in
-    serve | generate | router | bench | sweep | test) ;;
+    serve | generate | router | bench | sweep | test | quick) ;;
     -h | --help) echo "$USAGE"; exit 0 ;;
     *) echo "$USAGE" >&2; exit 2 ;;
 esac
@@ -88,7 +89,7 @@ if ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
     note "2/4 libibverbs1 (for the Mooncake KV tier) is present"
 else
     missing="the Mooncake KV tier (--mooncake-master) cannot start until libibverbs1 is installed; everything else works"
-    [ "$cmd" = test ] && missing="$missing (the Mooncake tier's tests are skipped)"
+    { [ "$cmd" = test ] || [ "$cmd" = quick ]; } && missing="$missing (the Mooncake tier's tests are skipped)"
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         note "2/4 installing libibverbs1 and librdmacm1 for the Mooncake KV tier (apt-get)"
         (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 librdmacm1 >/dev/null) ||
@@ -116,9 +117,12 @@ else
 fi
 
 shift || true
-if [ "$cmd" = test ]; then note "4/4 running the test suite: pytest $*"; else note "4/4 running: agentjax $cmd $*"; fi
+if [ "$cmd" = quick ]; then
+    set -- -m "not slow" "$@"  # the quick tier: every test not marked slow
+fi
+if [ "$cmd" = test ] || [ "$cmd" = quick ]; then note "4/4 running the test suite ($cmd): pytest $*"; else note "4/4 running: agentjax $cmd $*"; fi
 case "$cmd" in
-    test)
+    test | quick)
         export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
         # AGENTJAX_TEST_WORKERS pytest-xdist processes (default 2; 1 runs in this process), each
         # taking whole files so module fixtures stay in one process. A worker that dies fails the

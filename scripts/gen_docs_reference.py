@@ -37,8 +37,10 @@ ENVIRONMENT = {
                           "capped at 4 GiB, least recently used entries go first)",
     "AGENTJAX_PYTHON": "`scripts/bootstrap.sh`: the Python 3.12 to build `.venv` with (default: found on `PATH` or pyenv)",
     "AGENTJAX_VENV": "`scripts/bootstrap.sh`: the virtual environment to use (default `.venv`)",
-    "AGENTJAX_TEST_WORKERS": "`scripts/bootstrap.sh test`: pytest-xdist processes (default 2; 1 runs in one process)",
+    "AGENTJAX_TEST_WORKERS": "`scripts/bootstrap.sh test` and `quick`: pytest-xdist processes (default 2; 1 runs in one process)",
     "AGENTJAX_TEST_MEMORY_LOG": "tests: a file that gets one line of memory figures per test module",
+    "AGENTJAX_SUITE_REPORT": "tests: write the suite report's per-test and per-file figures as JSON to this path "
+                             "(the same as `--suite-report=PATH`)",
     "AGENTJAX_TRACES": "tests: the `traces` directory holding `agentx-dev` (default `../shared/traces`)",
     "AGENTJAX_HF_PYTHON": "`scripts/bench_generate.py`: the Python of a transformers environment to compare with",
     "AGENTJAX_BENCH_SCHEDULER_CHILD": "`scripts/bench_scheduler.py`: set in its child processes (internal)",

@@ -1,5 +1,6 @@
-"""Shared fixtures: the embedded model loaded once per test session in each numerics mode, and the
-release of compiled executables (and the memory they hold) after each test module."""
+"""Shared fixtures: the embedded model loaded once per test session in each numerics mode, the
+persistent compilation cache on from the start, and the release of compiled executables (and the
+memory they hold) after each test module."""
 from __future__ import annotations
 
 import ctypes
@@ -9,6 +10,27 @@ import sys
 import time
 
 import pytest
+
+from tests.suite_probes import memory_map_count, resident_bytes
+
+
+def _cache_every_executable() -> None:
+    """Every test process reads and writes agentjax's persistent XLA cache from its first test on (not
+    only once it builds a model runner), for executables of any compile time: an executable built once
+    (by either worker, a server, or before a release of executables below) loads in milliseconds
+    after, and a second run on the same machine loads nearly everything ($AGENTJAX_XLA_CACHE=off
+    turns it off, as for agentjax itself)."""
+    from agentjax.runner.compilation_cache import enable_compilation_cache
+
+    if enable_compilation_cache() is not None:
+        import jax
+
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+_cache_every_executable()
+
+pytest_plugins = ["tests.suite_report"]  # per-test and per-file costs, printed after every run
 
 
 @pytest.fixture(scope="session")
@@ -26,24 +48,6 @@ def smollm2_fast():
     return LLM()
 
 
-def memory_map_count() -> int:
-    """Memory mappings of this process (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            return sum(1 for _ in maps)
-    except OSError:
-        return 0
-
-
-def resident_bytes() -> int:
-    """Resident set size of this process (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _trim_malloc() -> None:
     """Hand glibc's freed heap back to the system, so a release shows in the resident size."""
     try:
@@ -56,7 +60,6 @@ def _trim_malloc() -> None:
 MAP_COUNT_TO_RELEASE = 16_000
 # Under pytest-xdist, past this resident size too: two such processes share the machine's memory.
 RESIDENT_BYTES_TO_RELEASE = 4 << 30 if os.environ.get("PYTEST_XDIST_WORKER") else float("inf")
-_peaks = {"map_count": 0, "resident_bytes": 0}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,8 +75,6 @@ def release_compiled_executables(request):
     (or recompiles). $AGENTJAX_TEST_MEMORY_LOG names a file that gets one line per module."""
     yield
     count, resident = memory_map_count(), resident_bytes()
-    _peaks["map_count"] = max(_peaks["map_count"], count)
-    _peaks["resident_bytes"] = max(_peaks["resident_bytes"], resident)
     jax = sys.modules.get("jax")  # host-only test modules never import jax
     released = jax is not None and (count > MAP_COUNT_TO_RELEASE or resident > RESIDENT_BYTES_TO_RELEASE)
     if released:
@@ -88,34 +89,25 @@ def release_compiled_executables(request):
                       f"{request.module.__name__}: {count} maps {resident >> 20} MiB{after}\n")
 
 
-def pytest_sessionfinish(session):
-    workeroutput = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker
-    if workeroutput is not None:
-        workeroutput.update(_peaks)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """pytest-xdist controller: keep the largest peaks any worker reported."""
-    for key, value in getattr(node, "workeroutput", {}).items():
-        if key in _peaks:
-            _peaks[key] = max(_peaks[key], value)
-
-
 # Under pytest-xdist's `--dist loadfile` (scripts/bootstrap.sh test): files that share one worker, so
 # that two of them never run at once, and the longest files, which start first (longest first keeps
 # either worker from finishing long after the other).
 SHARED_WORKER = {
-    # one README server (session-scoped) per run, and one set of serve processes at a time
+    # The docs' commands (the longest file of the suite, mostly waiting on the servers and CLI processes
+    # it starts) run beside the other end-to-end files, each group with a README server of its own.
+    "tests/e2e/test_docs_commands.py": "tests/e2e/test_docs_commands.py",
+    # the other end-to-end files: one README server (session-scoped) for them all
     "tests/e2e/": "tests/e2e",
     # Gemma-3's 262k-token vocabulary: several GiB of logits and weights at a time
     "tests/models/test_logit_parity.py": "gemma3",
     "tests/test_engine_sliding_window.py": "gemma3",
 }
 START_FIRST = [
-    "tests/spec_decode/test_device_drafters.py", "tests/e2e", "tests/spec_decode/test_smollm2_speculative.py",
-    "tests/test_engine_speculative.py", "tests/test_engine.py", "gemma3", "tests/sharding/test_context_parallel.py",
+    "tests/e2e/test_docs_commands.py", "tests/spec_decode/test_device_drafters.py", "tests/e2e",
+    "tests/spec_decode/test_smollm2_speculative.py", "tests/test_engine_speculative.py", "tests/test_engine.py",
+    "gemma3", "tests/sharding/test_context_parallel.py", "tests/models/test_quantized.py",
     "tests/models/test_dsv4_attention.py", "tests/models/test_dsv4_parity.py", "tests/test_engine_offload.py",
+    "tests/test_engine_offload_faults.py",
 ]
 
 
@@ -143,10 +135,3 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # keep START_FIRST's order, not the largest files first
     return GroupedFileScheduling(config, log)
-
-
-def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(
-        f"peak at the end of a test module: {_peaks['map_count']} memory mappings "
-        f"(Linux aborts past vm.max_map_count, 65,530 by default), "
-        f"{_peaks['resident_bytes'] / (1 << 30):.1f} GiB resident (largest process)")

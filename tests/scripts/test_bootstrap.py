@@ -1,5 +1,6 @@
-"""scripts/bootstrap.sh: its usage line names every agentjax subcommand, a wrong command fails before
-any set-up, and its messages about the Mooncake library speak of tests only to `test`."""
+"""scripts/bootstrap.sh: its usage line names every agentjax subcommand and the two test commands
+(test, quick), a wrong command fails before any set-up, and its messages about the Mooncake library
+speak of tests only to the test commands."""
 from __future__ import annotations
 
 import re
@@ -16,11 +17,11 @@ def top_level_commands() -> set[str]:
     return set(subparsers.choices)
 
 
-def test_usage_names_every_subcommand_and_test():
+def test_usage_names_every_subcommand_and_the_test_commands():
     result = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0
     named = set(re.search(r"\{(.*?)\}", result.stdout).group(1).split("|"))
-    assert named == top_level_commands() | {"test"}
+    assert named == top_level_commands() | {"test", "quick"}
 
 
 def test_an_unknown_command_fails_at_once_with_the_usage(tmp_path):
@@ -36,7 +37,7 @@ def test_every_subcommand_reaches_agentjax():
     assert {name.strip() for name in dispatched.split("|")} == top_level_commands()
 
 
-def test_the_mooncake_library_message_mentions_tests_only_for_the_test_command():
+def test_the_mooncake_library_message_mentions_tests_only_for_the_test_commands():
     text = SCRIPT.read_text()
     tests_note = [line for line in text.splitlines() if "tests are skipped" in line]
     assert tests_note and all('[ "$cmd" = test ]' in line for line in tests_note)
