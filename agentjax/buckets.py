@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # Small rows and tokens share one bucket: padding a decode batch of 1 row to 8 costs little next to
-# the weights every row reads.
-TOKEN_BUCKETS = (8, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# the weights every row reads, and padding rows reach no expert (agentjax/models/moe.py). Up to 256 the
+# token buckets include every row bucket, so a decode step pads its tokens no further than its rows.
+TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (8, 16, 32, 64, 128, 256)
 PAGE_BUCKETS = (8, 32, 128, 512, 2048, 8192, 32768, 131072)
 # Recurrent-state checkpoints saved inside a step's prefill chunks (most steps: none, one bucket).

@@ -6,8 +6,10 @@ new request on a rank (a session's later turns and a request's parallel samples 
 holds its pages, others on the least loaded rank). Every step, every rank schedules (so all step
 counters stay equal and `prefill_schedule_interval` admits prefills on the same steps on every rank),
 then one device step runs all ranks' rows together: a rank with nothing to run gets a dummy row on
-its null page, because the experts' all_to_all needs every rank. `make_engine` picks the engine a
-config asks for. Host only: the device work is the runner's.
+its null page, because the experts' all_to_all needs every rank. When some rank's rows carry a token
+bitmask (structured output), log probabilities or penalties, every rank runs that step variant
+(agentjax/runner/data_parallel_runner.py). `make_engine` picks the engine a config asks for. Host only:
+the device work is the runner's.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from agentjax.config import EngineConfig, ModelConfig
 from agentjax.engine import Engine
 from agentjax.errors import InvalidRequestError
+from agentjax.runner.compile_counter import CompileCounter
 from agentjax.sampling_params import SamplingParams
 from agentjax.scheduler.request import EngineOutput
 
@@ -43,10 +46,11 @@ class _Lockstep:
     def begin(self) -> None:
         self.pending, self.finished, self.results = {}, set(), {}
 
-    def submit(self, rank: int, rows, sampling, kv_copies):
-        """Called on a rank's thread from its engine's step: blocks until the lockstep step ran."""
+    def submit(self, rank: int, rows, sampling, kv_copies, bitmask=None, extras=None):
+        """Called on a rank's thread from its engine's step: blocks until the lockstep step ran. Returns the
+        rank's tokens, or with `extras` `(tokens, what they asked for)`."""
         with self.cond:
-            self.pending[rank] = (rows, sampling, kv_copies)
+            self.pending[rank] = (rows, sampling, kv_copies, bitmask, extras)
             self.cond.notify_all()
             self.cond.wait_for(lambda: rank in self.results)
             result = self.results.pop(rank)
@@ -67,11 +71,15 @@ class _Lockstep:
         if not pending:
             return
         try:
-            for rank, (_, _, copies) in pending.items():
+            for rank, (_, _, copies, _, _) in pending.items():
                 if copies:
                     self.runner.copy_pages(copies, rank=rank)
-            tokens = self.runner.execute_ranks([pending[r][0] if r in pending else None for r in range(self.ranks)],
-                                               [pending[r][1] if r in pending else None for r in range(self.ranks)])
+            by_rank = [pending.get(r, (None,) * 5) for r in range(self.ranks)]
+            rows, sampling, bitmasks, extras = ([p[i] for p in by_rank] for i in (0, 1, 3, 4))
+            if all(mask is None for mask in bitmasks) and all(e is None for e in extras):
+                tokens = self.runner.execute_ranks(rows, sampling)
+            else:
+                tokens = self.runner.execute_ranks_extended(rows, sampling, bitmasks, extras)
             results = {rank: tokens[rank] for rank in pending}
         except BaseException as exc:  # every waiting rank sees the failure
             results = {rank: exc for rank in pending}
@@ -89,21 +97,22 @@ class _RankRunner:
         self.last_device_s = 0.0
 
     def execute(self, rows, sampling, token_bitmask=None, kv_copies=()):
-        if token_bitmask is not None:
-            raise InvalidRequestError("structured output is not supported with data_parallel_size > 1 yet")
-        tokens = self.lockstep.submit(self.rank, rows, sampling, kv_copies)
+        tokens = self.lockstep.submit(self.rank, rows, sampling, kv_copies, token_bitmask)
         self.last_device_s = self.lockstep.runner.last_device_s
         return tokens
 
-    def execute_extended(self, *args, **kwargs):
-        raise InvalidRequestError("log probabilities and penalties are not supported with data_parallel_size > 1 yet")
+    def execute_extended(self, rows, sampling, extras, token_bitmask=None, kv_copies=()):
+        tokens, found = self.lockstep.submit(self.rank, rows, sampling, kv_copies, token_bitmask, extras)
+        self.last_device_s = self.lockstep.runner.last_device_s
+        return tokens, found
 
 
 class DataParallelEngine:
     """`data_parallel_size` engines in lockstep over one sharded runner; the `Engine` interface."""
 
     def __init__(self, model_cfg: ModelConfig, params, engine_cfg: EngineConfig, tokenizer=None):
-        from agentjax.runner.sharded_runner import ShardedModelRunner, check_engine_layout
+        from agentjax.runner.data_parallel_runner import DataParallelRunner
+        from agentjax.runner.sharded_runner import check_engine_layout
 
         model_cfg = engine_cfg.model_config_for(model_cfg)  # the attention implementation it runs
         check_engine_layout(model_cfg, engine_cfg)
@@ -112,7 +121,7 @@ class DataParallelEngine:
         # each rank's engine sizes its own KV pool (equal sizes); the runner's buffers follow them
         self.ranks = [Engine(model_cfg, params, engine_cfg, tokenizer, runner=_NOT_YET) for _ in range(self.num_ranks)]
         page_size = engine_cfg.parallel.kv_page_tokens(engine_cfg.block_size)
-        self.runner = ShardedModelRunner(model_cfg, params, self.ranks[0].kv.pool.num_pages, page_size,
+        self.runner = DataParallelRunner(model_cfg, params, self.ranks[0].kv.pool.num_pages, page_size,
                                          engine_cfg.numerics, engine_cfg.logprobs_mode, parallel=engine_cfg.parallel)
         from sharding.distributed import distributed_runner
 
@@ -126,15 +135,12 @@ class DataParallelEngine:
         self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=self.num_ranks, thread_name_prefix="agentjax-dp-rank")
         self.num_steps = 0
+        self.compiles = CompileCounter()  # the lockstep steps run on the thread that calls `step`
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams, request_id: str | None = None,
                     *, session_id: str | None = None, fork_of: str | None = None, **kwargs) -> str:
         """`Engine.add_request` on the rank chosen for it (see the module docstring)."""
-        if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
-            raise InvalidRequestError("logprobs and prompt_logprobs are not supported with data_parallel_size > 1 yet")
-        if sampling.structured is not None:
-            raise InvalidRequestError("structured output is not supported with data_parallel_size > 1 yet")
         hints = kwargs.get("hints")
         session_id = session_id or (hints.session_id if hints is not None else None)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -181,7 +187,8 @@ class DataParallelEngine:
                 self.lockstep.rank_done(rank)
 
         futures = [self._pool.submit(run, rank) for rank in range(self.num_ranks)]
-        self.lockstep.run_when_ready()
+        with self.compiles.counting():
+            self.lockstep.run_when_ready()
         outputs = []
         for future in futures:
             outputs += future.result()
@@ -202,6 +209,7 @@ class DataParallelEngine:
                  if isinstance(value, (int, float)) and key != "kv_usage"}
         total["kv_usage"] = total["kv_used_blocks"] / max(1, total["kv_total_blocks"])
         total["num_steps"] = self.num_steps
+        total["compiled_executables"] += self.compiles.executables
         total["ranks"] = per_rank
         return total
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
 from agentjax.request_fit import check_pool_fits
+from agentjax.runner.compile_counter import CompileCounter
 from agentjax.engine_extras import ExtrasTracker
 from agentjax.engine_kv import engine_kv_layout
 from agentjax.kv import KVCacheManager
@@ -104,12 +105,13 @@ class Engine:
         if offload is None and engine_cfg.kv_offload_enabled:  # host, disk and Mooncake tiers (agentjax.kv.offload)
             from agentjax.runner.offload_worker import build_offload
 
-            self.offload, self.offload_worker = build_offload(engine_cfg, model_cfg, params, self.kv)
+            self.offload, self.offload_worker = build_offload(engine_cfg, model_cfg, params, self.kv, self.runner)
         self.speculator = make_speculator(engine_cfg, drafting)
         self.scheduler = Scheduler(engine_cfg, self.kv, offload=self.offload, speculator=self.speculator,
                                    max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
+        self.compiles = CompileCounter()  # executables built by this engine's steps and warm-up
         self.step_log: deque[StepRecord] = deque(maxlen=engine_cfg.extra.get("step_log_size", 10_000))
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -241,6 +243,10 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        with self.compiles.counting():
+            return self._step()
+
+    def _step(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
         self._log(plan)
         if self.offload_worker is not None:  # page stores and loads, before this step's copies
@@ -408,6 +414,7 @@ class Engine:
             "compiled_shapes": len(self.runner.compiled_shapes),
             "kv_layout": self.kv_layout.mode if self.kv_layout is not None else "shared",
             "kv_groups": group_memory(self.kv),
+            "compiled_executables": self.compiles.executables,
             **({"spec_decode": self.speculator.stats.snapshot()} if self.speculator is not None else {}),
             **({"kv_offload": self.offload.snapshot()} if self.offload is not None else {}),
         }

@@ -31,6 +31,8 @@ ENVIRONMENT = {
                              "`/kv/prompt_hashes`) when `--operator-key` is not given; `agentjax router`: the "
                              "replicas' operator key when its `--operator-key` is not given",
     "AGENTJAX_CACHE": "where converted models and joined model files are cached (default `~/.cache/agentjax`)",
+    "AGENTJAX_WARMUP": "`agentjax serve`: the warm-up level when `--warmup` is not given (`none`, `decode`, `steps`, `all`; "
+                       "default `decode`); the end-to-end tests set `none`",
     "AGENTJAX_XLA_CACHE": "the persistent XLA compilation cache (default `~/.cache/agentjax/xla`; `off` disables it; "
                           "capped at 4 GiB, least recently used entries go first)",
     "AGENTJAX_PYTHON": "`scripts/bootstrap.sh`: the Python 3.12 to build `.venv` with (default: found on `PATH` or pyenv)",

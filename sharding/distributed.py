@@ -21,7 +21,7 @@ from agentjax.errors import ParallelLayoutError
 logger = logging.getLogger(__name__)
 
 # Runner calls a driver sends; a follower runs exactly these.
-CALLS = ("execute", "execute_extended", "execute_ranks", "copy_pages", "reset_kv")
+CALLS = ("execute", "execute_extended", "execute_ranks", "execute_ranks_extended", "copy_pages", "reset_kv")
 
 
 def initialize(engine_cfg) -> None:

@@ -214,9 +214,6 @@ def _check_experts(cfg, parallel: ParallelConfig) -> None:
             raise ParallelLayoutError(
                 f"num_experts={moe.num_experts} cannot be split over the {ranks} expert-parallel ranks "
                 f"(data_parallel_size x tensor_parallel_size)")
-        if tp > 1:
-            raise ParallelLayoutError("enable_expert_parallel with tensor_parallel_size > 1 is not supported yet; "
-                                      f"use data_parallel_size={ranks} with tensor_parallel_size=1")
     elif tp > 1 and moe.expert_intermediate_size % tp:
         raise ParallelLayoutError(f"moe expert_intermediate_size={moe.expert_intermediate_size} cannot be split "
                                   f"over tensor_parallel_size={tp}; enable_expert_parallel shards whole experts")

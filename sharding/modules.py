@@ -155,11 +155,14 @@ def _place_columns(local, columns, width: int):
 
 
 class ExpertParallelExperts(RoutedExperts):
-    """Whole experts over the expert ranks (DEP). Each token is sent (all_to_all) to every rank that holds
-    one of its experts, with its expert ids there; the owner runs its local experts and the results come
-    back by a second all_to_all. Fast numerics weight and sum a token's pairs on each owner; batch-invariant
-    numerics send every pair's output back and sum on the token's rank in the single-device order (a
-    token's pairs live on exactly one rank each, so adding the others' zeros is exact)."""
+    """Whole experts over the expert ranks (DEP; with TP the expert ranks are data x TP, as vLLM's EP). Each
+    token is sent (all_to_all) to every rank that holds one of its experts, with its expert ids there; the
+    owner runs its local experts and the results come back by a second all_to_all. Fast numerics weight and
+    sum a token's pairs on each owner; batch-invariant numerics send every pair's output back and sum on
+    the token's rank in the single-device order (a token's pairs live on exactly one rank each, so adding
+    the others' zeros is exact). Under TP the ranks of a TP group hold the same tokens: each sends every
+    TP-th of them (the others route to no expert, as padding does) and a sum over the group, where each
+    token has one non-zero term, gives every rank all of them."""
 
     def __init__(self, gate_up: nnx.Param, down: nnx.Param, activation, num_experts: int,
                  parallel: ParallelConfig, impl: str = "reference"):
@@ -170,6 +173,15 @@ class ExpertParallelExperts(RoutedExperts):
         self.num_experts = num_experts // parallel.role_size("expert")
 
     def __call__(self, x, weights, expert_ids, numerics: str = "fast"):
+        tp = self.parallel.role_size("tensor")
+        if tp > 1:
+            token = jnp.arange(expert_ids.shape[0], dtype=expert_ids.dtype)
+            mine = (token % tp == collectives.rank(self.parallel, "tensor"))[:, None]
+            expert_ids = jnp.where(mine, expert_ids, self.total_experts)  # another TP rank sends this token
+            return collectives.sum_over(self.parallel, "tensor", self._routed(x, weights, expert_ids, numerics))
+        return self._routed(x, weights, expert_ids, numerics)
+
+    def _routed(self, x, weights, expert_ids, numerics: str):
         ranks = self.parallel.role_size("expert")
         local_experts = self.num_experts
         tokens, k = expert_ids.shape

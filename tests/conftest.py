@@ -107,7 +107,8 @@ START_FIRST = [
     "tests/spec_decode/test_smollm2_speculative.py", "tests/test_engine_speculative.py", "tests/test_engine.py",
     "gemma3", "tests/sharding/test_context_parallel.py", "tests/models/test_quantized.py",
     "tests/models/test_dsv4_attention.py", "tests/models/test_dsv4_parity.py", "tests/test_engine_offload.py",
-    "tests/test_engine_offload_faults.py",
+    "tests/test_engine_offload_faults.py", "tests/test_engine_offload_layouts.py",
+    "tests/test_engine_speculative_layouts.py",
 ]
 
 

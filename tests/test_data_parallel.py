@@ -4,6 +4,8 @@ idle ranks step with dummy rows, and prefill_schedule_interval admits prefills o
 every rank."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from agentjax.sampling_params import SamplingParams
@@ -65,11 +67,42 @@ def test_dep_prefills_land_only_on_aligned_steps_on_every_rank():
     assert all(index % 4 for index in added_at[1:3])  # some arrived between aligned steps and waited
 
 
-def test_dep_refuses_what_its_ranks_do_not_run_yet():
-    need_devices()
-    from agentjax.data_parallel import DataParallelEngine
-    from agentjax.errors import InvalidRequestError
+def _mixed_run(preset: str, **layout) -> list[tuple]:
+    """Greedy runs of PROMPTS where the requests ask for different extras: penalties and a logit bias,
+    a regex, log probabilities, prompt log probabilities, nothing; per request its tokens, log
+    probability entries and prompt log probability entries."""
+    from agentjax import LLM
+    from agentjax.structured.spec import StructuredOutput
 
-    engine = DataParallelEngine.__new__(DataParallelEngine)  # only the request checks, no model
-    with pytest.raises(InvalidRequestError, match="logprobs and prompt_logprobs are not supported"):
-        engine.add_request([1, 2], SamplingParams(logprobs=2))
+    plain = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    sampling = [SamplingParams(**plain, presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.3,
+                               logit_bias={7: 2.5, 11: -1.0}),
+                SamplingParams(**plain, structured=StructuredOutput.regex("[0-9]{2}-[a-z]{3}")),
+                SamplingParams(**plain, logprobs=3),
+                SamplingParams(**plain),
+                SamplingParams(**plain, prompt_logprobs=2, logprobs=1)]
+    llm = LLM(f"preset:{preset}", numerics="batch_invariant", num_kv_blocks=64, **layout)
+    outs = llm.generate([list(p) for p in PROMPTS], sampling)
+
+    def entries(items):
+        return None if items is None else [None if e is None else (e.token_id, e.logprob, e.rank, e.top_token_ids,
+                                                                   e.top_logprobs) for e in items]
+
+    return [(o.token_ids, o.text, entries(o.logprobs), entries(o.prompt_logprobs)) for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, layout", [
+    ("tiny-minimax-m3", dict(data_parallel_size=4, enable_expert_parallel=True)),
+    ("tiny-dense", dict(data_parallel_size=2)),
+])
+def test_dp_runs_structured_output_logprobs_and_penalties_token_exact(preset, layout):
+    """Each rank's rows ask for different extras (or none) in the same lockstep steps; every request gets
+    the single-device tokens and bit-equal log probabilities."""
+    need_devices()
+    single = _mixed_run(preset)
+    parallel = _mixed_run(preset, **layout)
+    assert parallel == single
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", single[1][1])  # the regex held
+    assert len(single[2][2]) == 6 and len(single[2][2][0][3]) == 3  # 3 top log probabilities per token
+    assert single[4][3][0] is None and len(single[4][3]) == len(PROMPTS[4])

@@ -19,7 +19,7 @@ import numpy as np
 from agentjax.bench.gpus import DeviceSpec, Efficiency
 from agentjax.bench.model_shapes import KeyStream, ModelShape
 from agentjax.errors import InvalidRequestError
-from agentjax.ragged_batch import SEQ_BUCKETS, TOKEN_BUCKETS, bucket
+from agentjax.buckets import SEQ_BUCKETS, TOKEN_BUCKETS, bucket
 
 PROJECTION = "projection (roofline cost model, not a measurement)"
 GPU_QUERY_TILE = 128  # query tokens of one row that share a KV read in a paged GPU kernel
@@ -314,7 +314,8 @@ class CostModel:
         if all(q["real_tokens"] == 0 for q in per_rank):
             return StepCost(0.0, label=PROJECTION)
         split_tokens = [q["tokens"] / lay.pcp for q in per_rank]
-        all_tokens = sum(q["tokens"] for q in per_rank)
+        # bucket padding reaches no expert (agentjax/models/moe.py): the experts see the real tokens only
+        all_tokens = sum(q["real_tokens"] for q in per_rank)
         weights = shape.weight_bytes()
         bw, link = dev.hbm_bw, dev.link_bw if lay.gpus <= dev.nvlink_domain else dev.scaleout_bw
         experts_s = 0.0

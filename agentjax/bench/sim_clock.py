@@ -13,7 +13,7 @@ import numpy as np
 from agentjax.bench.costmodel import CostModel
 from agentjax.bench.speculation import AcceptanceSampler, Speculation
 from agentjax.errors import InvalidRequestError
-from agentjax.ragged_batch import PAGE_BUCKETS, SEQ_BUCKETS, TOKEN_BUCKETS, bucket
+from agentjax.buckets import PAGE_BUCKETS, SEQ_BUCKETS, TOKEN_BUCKETS, bucket
 
 FAKE_TOKEN = 300  # every "sampled" token and draft: the scheduler needs one per finished row, never a real one
 REJECTED_TOKEN = 301  # the target's token where it rejects a draft

@@ -131,7 +131,7 @@ def assumptions(shape, device, engine, agentx, padded: bool = True, speculation=
         f"{agentx.think_scale}, {agentx.duration_s:g} simulated s after each lane's cold first request",
         f"engine: {engine.block_size}-token pages, {engine.max_num_batched_tokens} tokens and {engine.max_num_seqs} "
         f"rows per step, long_prefill_token_threshold {engine.long_prefill_token_threshold}, "
-        + ("batches padded to agentjax's shape buckets (padding tokens are computed and routed)" if padded
+        + ("batches padded to agentjax's shape buckets (padding tokens are computed, the experts see real tokens only)" if padded
            else "exact batch shapes (no padding)"),
         "90% of HBM usable, 4 GB activation reserve per GPU; "
         + (offload.describe(device) if offload is not None else "KV in HBM only (no offload tier: --offload)"),

@@ -5,8 +5,10 @@ writes its KV groups' buffers) and returns final hidden states plus the updated 
 Layers are `DecoderBlock`s (a token mixer and a feed-forward block, picked per layer kind from
 registries); runs of them form `Segment`s (agentjax/models/layer_plan.py) whose parameters carry
 a leading `[repeats]` axis and run under `lax.scan`, so a step compiles one body per period
-position. `Decoder.logits` turns chosen hidden states into vocabulary logits. Pure functions of
-their inputs: no global state, so `jax.jit`, `jax.grad` and `jax.vmap` apply.
+position. `Decoder.logits` turns chosen hidden states into vocabulary logits. Bucket padding tokens
+reach no expert of an MoE layer (`real_token_mask`); `Decoder.forward_with_stats` also returns how
+many token-expert pairs each layer sent to its experts. Pure functions of their inputs: no global
+state, so `jax.jit`, `jax.grad` and `jax.vmap` apply.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import kv_slots
@@ -50,9 +52,20 @@ def _resolve(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+def real_token_mask(batch: RaggedBatch) -> Array:
+    """[tokens] bool: True where a token lies in its row's new tokens (positions kv_len - q_len .. kv_len - 1),
+    False for a shape bucket's padding. Per token, so it holds for a rank's tokens under PCP too; a padding
+    token that happens to fall in a real row's range (row B-1 prefilling from position 0) counts as real,
+    which costs work but never changes a real token."""
+    rows = batch.seq_ids
+    new_tokens = batch.cu_q_lens[rows + 1] - batch.cu_q_lens[rows]
+    end = batch.kv_lens[rows]
+    return (batch.positions >= end - new_tokens) & (batch.positions < end)
+
+
 def make_mlp(cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs) -> nnx.Module:
     """The feed-forward block of a layer: a gated MLP, or a mixture of experts (routed by its router,
-    or by a token-id table for "hash_moe"). Each is called as `mlp(x, numerics, token_ids=...)`."""
+    or by a token-id table for "hash_moe"). Each is called as `mlp(x, numerics, token_ids=..., real_tokens=...)`."""
     if kind in ("moe", "hash_moe"):
         from agentjax.models.moe import MoE
 
@@ -77,6 +90,7 @@ class DecoderBlock(nnx.Module):
         self.attn = _resolve(MIXERS[kind.mixer])(cfg, layer, dict(kind.kv_groups), rngs=rngs)
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
         self.mlp = make_mlp(cfg, kind.mlp, rngs=rngs)
+        self.routes_tokens = kind.mlp in ("moe", "hash_moe")
         if cfg.use_sandwich_norms:
             self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
             self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
@@ -84,8 +98,9 @@ class DecoderBlock(nnx.Module):
         self.residual = layer_residual(cfg, rngs=rngs)
 
     def __call__(self, stream, kv: tuple, batch: RaggedBatch, numerics: str,
-                 slots: dict[str, Array], layer: Array) -> tuple[object, tuple]:
-        """One layer on the residual `stream`; `layer` is the (traced) layer index."""
+                 slots: dict[str, Array], layer: Array, with_stats: bool = False):
+        """One layer on the residual `stream`; `layer` is the (traced) layer index. Returns `(stream, kv)`,
+        with `with_stats` `(stream, kv, routed pairs)` (0 for a dense MLP)."""
         stream, x = self.residual.mixer_input(stream, layer, numerics)
         attn_out, kv = self.attn(self.input_norm(x, numerics), kv, batch, numerics, slots)
         # The KV buffers leave each layer only once its output exists: XLA then updates them in place even
@@ -94,10 +109,19 @@ class DecoderBlock(nnx.Module):
         if self.sandwich:
             attn_out = self.post_attn_norm(attn_out, numerics)
         stream, x = self.residual.mlp_input(stream, attn_out, numerics)
-        mlp_out = self.mlp(self.pre_mlp_norm(x, numerics), numerics, token_ids=batch.token_ids)
+        mlp_in = self.pre_mlp_norm(x, numerics)
+        routed = jnp.zeros((), jnp.int32)
+        if self.routes_tokens:
+            mlp_out = self.mlp(mlp_in, numerics, token_ids=batch.token_ids, real_tokens=real_token_mask(batch),
+                               with_stats=with_stats)
+            if with_stats:
+                mlp_out, routed = mlp_out
+        else:
+            mlp_out = self.mlp(mlp_in, numerics, token_ids=batch.token_ids)
         if self.sandwich:
             mlp_out = self.post_mlp_norm(mlp_out, numerics)
-        return self.residual.add_mlp_output(stream, mlp_out, numerics), kv
+        stream = self.residual.add_mlp_output(stream, mlp_out, numerics)
+        return (stream, kv, routed) if with_stats else (stream, kv)
 
 
 class SegmentStack(nnx.Module):
@@ -119,19 +143,23 @@ class SegmentStack(nnx.Module):
         self.layer_ids = tuple(tuple(segment.layer(rep, p) for rep in range(segment.repeats))
                                for p in range(segment.period))
 
-    def __call__(self, stream, kv: tuple, batch: RaggedBatch, numerics: str) -> tuple[object, tuple]:
+    def __call__(self, stream, kv: tuple, batch: RaggedBatch, numerics: str, with_stats: bool = False):
+        """`(stream, kv)`; with `with_stats` also the routed pairs of each layer, `[repeats, period]`."""
         split = [nnx.split(block) for block in self.blocks]
         slots = [{role: jnp.asarray(table, jnp.int32) for role, table in tables} for tables in self.slot_tables]
         layers = [jnp.asarray(ids, jnp.int32) for ids in self.layer_ids]
 
         def body(carry, scanned):
             stream, kv = carry
+            routed = []
             for (graphdef, _), state, position_slots, layer in zip(split, *scanned):
-                stream, kv = nnx.merge(graphdef, state)(stream, kv, batch, numerics, position_slots, layer)
-            return (stream, kv), None
+                out = nnx.merge(graphdef, state)(stream, kv, batch, numerics, position_slots, layer, with_stats)
+                stream, kv = out[:2]
+                routed += out[2:]
+            return (stream, kv), (jnp.stack(routed) if with_stats else None)
 
-        (stream, kv), _ = jax.lax.scan(body, (stream, kv), ([state for _, state in split], slots, layers))
-        return stream, kv
+        (stream, kv), routed = jax.lax.scan(body, (stream, kv), ([state for _, state in split], slots, layers))
+        return (stream, kv, routed) if with_stats else (stream, kv)
 
 
 class Decoder(nnx.Module):
@@ -170,14 +198,29 @@ class Decoder(nnx.Module):
                                ) -> tuple[Float[Array, "tokens hidden"], Array, tuple]:
         """`(final hidden states, what an MTP module reads of each token, kv)`: the final hidden states
         themselves, or with hyper-connections the residual streams before the hyper-head."""
+        hidden, mtp_input, kv, _ = self._forward(kv, batch, numerics, with_stats=False)
+        return hidden, mtp_input, kv
+
+    def forward_with_stats(self, kv: tuple, batch: RaggedBatch, numerics: str = "fast"
+                           ) -> tuple[Float[Array, "tokens hidden"], tuple, Int[Array, " layers"]]:
+        """`(hidden, kv, routed pairs of each layer [num_layers])`, the pairs counted in each MoE op
+        (0 for a dense layer): what the experts of each layer computed for this batch."""
+        hidden, _, kv, routed = self._forward(kv, batch, numerics, with_stats=True)
+        return hidden, kv, routed
+
+    def _forward(self, kv: tuple, batch: RaggedBatch, numerics: str, with_stats: bool):
         batch = batch.for_groups(num_page_tables(kv) or self.num_kv_groups)
         x = self.embed_tokens(batch.token_ids)
         kv = kv if isinstance(kv, KVPool) else tuple(kv)
         stream = self.residual.start(x)
+        routed = {}
         for segment in self.segments:
-            stream, kv = segment(stream, kv, batch, numerics)
+            stream, kv, *stats = segment(stream, kv, batch, numerics, with_stats)
+            for ids, counts in zip(segment.layer_ids, stats[0].T if stats else ()):  # per period position
+                routed.update(zip(ids, counts))
         hidden = self.final_norm(self.residual.finish(stream, numerics), numerics)
-        return hidden, stream[0] if self.hyper_connected else hidden, kv
+        counts = jnp.stack([routed[layer] for layer in sorted(routed)]) if routed else None
+        return hidden, stream[0] if self.hyper_connected else hidden, kv, counts
 
     def embed_tokens(self, token_ids: Array) -> Float[Array, "tokens hidden"]:
         x = take_rows(self.embed.get_value(), token_ids)

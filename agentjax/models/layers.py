@@ -67,8 +67,9 @@ class GatedMLP(nnx.Module):
         self.activation = GatedActivation(activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                           situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
 
-    def __call__(self, x: Array, numerics: str = "fast", *, token_ids: Array | None = None) -> Array:
-        """`token_ids` belongs to the feed-forward call (a hash-routed MoE reads them); unused here."""
+    def __call__(self, x: Array, numerics: str = "fast", *, token_ids: Array | None = None,
+                 real_tokens: Array | None = None) -> Array:
+        """`token_ids` and `real_tokens` belong to the feed-forward call (an MoE reads them); unused here."""
         return self.down_proj(self.activation(self.gate_proj(x, numerics), self.up_proj(x, numerics)), numerics)
 
 

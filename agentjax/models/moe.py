@@ -43,6 +43,12 @@ intermediate_size, shared_intermediate_size (one shared MLP), sigmoid + bias, ro
 (S = moe_intermediate_size * num_shared_experts), sigmoid + bias, num_expert_group, topk_group,
 moe_renormalize, routed_scaling_factor, hidden_act; K3 routed_expert_hidden_size, latent_moe_use_norm.
 
+Bucket padding: `real_tokens` (a [tokens] mask; the decoder passes `real_token_mask(batch)`) routes
+each padding row to no expert: its pairs get the id `num_experts` and weight 0, so they add nothing to
+any expert's group size, sort past every group (the grouped matmuls, `ragged_dot` and the Pallas
+kernel, give those rows zeros without a multiply) and the block's output there is the shared experts'
+alone. `routed_pairs` counts the token-expert pairs a call hands to the expert matmuls.
+
 Cost: on CPU, jax lowers ragged_dot to a masked dense dot (E times the FLOPs of the grouped one);
 on GPU and TPU to XLA's ragged_dot instruction (not measured here). With `impl="kernel"` (the model's
 attention_impl) the fast path runs `agentjax.kernels.grouped_matmul`'s Pallas kernel instead. The batch-invariant path gathers each token's k expert matrices per
@@ -163,6 +169,16 @@ def _in_row_blocks(fn, numerics: str, *arrays: Array) -> Array:
     return map_row_blocks(fn, *arrays) if numerics == "batch_invariant" else fn(*arrays)
 
 
+def expert_group_sizes(expert_ids: Int[Array, "..."], num_experts: int) -> Int[Array, " experts"]:
+    """How many token-expert pairs each expert receives; ids outside [0, num_experts) (padding) count nowhere."""
+    return jnp.bincount(expert_ids.reshape(-1), length=num_experts).astype(jnp.int32)
+
+
+def routed_pairs(expert_ids: Int[Array, "tokens k"], num_experts: int) -> Int[Array, ""]:
+    """The token-expert pairs sent to the expert matmuls: the sum of the experts' group sizes."""
+    return expert_group_sizes(expert_ids, num_experts).sum()
+
+
 def _weighted_sum(per_pair: Float[Array, "tokens k d"], weights: Float[Array, "tokens k"]) -> Array:
     """`sum_j weights[:, j] * per_pair[:, j]`, accumulated in float32."""
     return jnp.sum(per_pair.astype(jnp.float32) * weights[..., None], axis=1).astype(per_pair.dtype)
@@ -240,7 +256,7 @@ class RoutedExperts(nnx.Module):
         tokens, k = expert_ids.shape
         flat_ids = expert_ids.reshape(-1)
         order = jnp.argsort(flat_ids, stable=True)
-        group_sizes = jnp.bincount(flat_ids, length=self.num_experts).astype(jnp.int32)
+        group_sizes = expert_group_sizes(flat_ids, self.num_experts)
         pair_rows = x[order // k]
         if isinstance(self.impl, str) and kernels.resolve_attention_impl(self.impl) == "kernel":
             matmul = functools.partial(kernels.grouped_matmul, impl="kernel")
@@ -255,7 +271,10 @@ class RoutedExperts(nnx.Module):
         return _weighted_sum(per_pair.reshape(tokens, k, -1), weights)
 
     def _gathered(self, x: Array, weights: Array, expert_ids: Array) -> Array:
-        """Each row against its own k gathered expert matrices: no arithmetic shared between rows."""
+        """Each row against its own k gathered expert matrices: no arithmetic shared between rows. A
+        padding row (id `num_experts`, weight 0) still multiplies inside its fixed row block: the block's
+        shape is what keeps a row's arithmetic independent of the batch."""
+        expert_ids = jnp.minimum(expert_ids, self.num_experts - 1)
         gate_up = jnp.einsum("bd,bkdn->bkn", x, take_experts(self.gate_up_proj.get_value(), expert_ids))
         per_pair = jnp.einsum("bki,bkid->bkd", self.activation.on_fused(gate_up),
                               take_experts(self.down_proj.get_value(), expert_ids))
@@ -320,15 +339,21 @@ class MoE(nnx.Module):
     def __call__(
         self, x: Float[Array, "tokens hidden"], numerics: str = "fast", *,
         token_ids: Int[Array, " tokens"] | None = None, expert_ids: Int[Array, "tokens k"] | None = None,
-    ) -> Float[Array, "tokens hidden"]:
+        real_tokens: Array | None = None, with_stats: bool = False,
+    ):
         """The block's output for each token; `expert_ids` (in [0, E)) replaces the router's choice, and a
-        hash-routed block looks them up by `token_ids` (required there)."""
+        hash-routed block looks them up by `token_ids` (required there). `real_tokens` ([tokens] bool):
+        rows where it is False are bucket padding and reach no expert. With `with_stats`, returns
+        `(output, routed_pairs)`: the token-expert pairs sent to the expert matmuls."""
         cfg = self.config
         if self.hashed and expert_ids is None:
             if token_ids is None:
                 raise InvalidRequestError("a hash-routed MoE layer needs the token_ids of its rows (got None)")
             expert_ids = jnp.take(self.hash_table[...], token_ids, axis=0)
         weights, expert_ids = self.router(x, numerics, expert_ids=expert_ids)
+        if real_tokens is not None:
+            expert_ids = jnp.where(real_tokens[:, None], expert_ids, cfg.num_experts)
+            weights = jnp.where(real_tokens[:, None], weights, jnp.zeros((), weights.dtype))
         routed_input = x
         if cfg.latent_size is not None:
             routed_input = dense(x, self.latent_down_proj[...], numerics)
@@ -339,4 +364,4 @@ class MoE(nnx.Module):
             out = dense(out, self.latent_up_proj[...], numerics)
         if cfg.num_shared_experts:
             out = out + self.shared_experts(x, numerics)
-        return out
+        return (out, routed_pairs(expert_ids, cfg.num_experts)) if with_stats else out

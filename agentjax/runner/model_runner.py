@@ -148,6 +148,19 @@ class ModelRunner:
         self.last_device_s = time.perf_counter() - started
         return tokens
 
+    def compile_step(self, rows: Sequence[tuple[Sequence[int], int, Sequence]],
+                     sampling: Sequence[tuple[float, int, float, int, int]]) -> None:
+        """Build (or load from the compilation cache) the executable `execute` would run for these rows,
+        without running it (agentjax/runner/warmup.py); a runner whose step is not one jitted function
+        (a layout's, a drafter's) runs the step on them instead."""
+        batch, meta, greedy_only = self._prepare(rows, sampling, None, ())
+        step = self._steps[greedy_only]
+        if not hasattr(step, "lower") or self.drafter is not None:
+            self.execute(rows, sampling)
+            return
+        with self._compiling(self._shape_key(batch, greedy_only)):
+            step.lower(self.step_params, self.kv_pages, batch, meta).compile()
+
     def _spec_inputs(self, batch: RaggedBatch, rows, next_tokens) -> tuple:
         """The drafter's extra step argument (none without a drafter)."""
         if self.drafter is None:

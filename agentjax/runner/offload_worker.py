@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from agentjax.config import EngineConfig
 from agentjax.errors import CorruptCheckpointError, OffloadTierError
@@ -56,23 +55,20 @@ class OffloadWorker:
     """Host page pools, the jitted page movers and one thread per remote tier."""
 
     def __init__(self, model_cfg, page_size: int, connector: OffloadConnector, host_slots: int = 0,
-                 load_timeout_s: float = EngineConfig.kv_load_timeout_s, kv_layout=None):
-        """`kv_layout` (a `KVMemoryLayout`): the engine's KV memory is its pool; else per-kind buffers of
-        `page_size`-token pages (agentjax/runner/page_mover.py moves either)."""
+                 load_timeout_s: float = EngineConfig.kv_load_timeout_s, kv_layout=None, mover=None):
+        """`mover` (agentjax/runner/page_mover.py): how pages leave and reach the runner's KV memory; by
+        default one device's: its pool with a "pool" `kv_layout` (a `KVMemoryLayout`), else per-kind
+        buffers of `page_size`-token pages."""
         self.connector = connector
         self.results = connector.results
         self.stats: OffloadStats = connector.stats
         self.health: dict[str, TierHealth] = connector.health
         self.disk: DiskTier | None = connector.disk
         self.mooncake: MooncakeTier | None = connector.mooncake
-        device = jax.devices()[0]
-        self.device_sharding = SingleDeviceSharding(device, memory_kind="device")
-        self.host_sharding = SingleDeviceSharding(device, memory_kind="pinned_host")
-        self.mover = page_mover(model_cfg, page_size, self.device_sharding, self.host_sharding, kv_layout)
+        self.mover = mover or page_mover(model_cfg, page_size, kv_layout=kv_layout)
         self.specs = getattr(self.mover, "specs", None)  # per-kind buffers' specs (None for a pool)
-        num_groups = len(kv_layout.groups) if kv_layout is not None else len(kv_buffer_specs(model_cfg, page_size))
-        self.host_pools = [self.mover.new_host_pool(group, host_slots) for group in range(num_groups)] if host_slots \
-            else []
+        self.host_pools = [self.mover.new_host_pool(group, host_slots) for group in range(self.mover.num_groups)] \
+            if host_slots else []
         self._fetched: queue.Queue = queue.Queue()
         self.loads = InFlightLoads(load_timeout_s)  # the parts of each load job still out, and its deadline
         self._queues: dict[str, queue.PriorityQueue] = {}
@@ -291,7 +287,7 @@ class OffloadWorker:
             if size != len(pages):
                 last = np.take(values, [len(pages) - 1], axis=axis)
                 values = np.concatenate([values, np.repeat(last, size - len(pages), axis=axis)], axis=axis)
-            values = jax.device_put(values, self.device_sharding)
+            values = self.mover.to_device(values)
             pages = _padded(pages, size)
         self._fetched.put((job_id, (tier, group), values, pages, failed))
 
@@ -326,10 +322,11 @@ class OffloadWorker:
 
 
 # -- construction -----------------------------------------------------------------------------------
-def offload_namespace(model_cfg, params, page_size: int, numerics: str) -> str:
-    """A name for this model's pages in shared tiers: its config, page size, numerics and a fingerprint
-    of its weights (a page written under other weights or numerics is never read back)."""
-    digest = hashlib.sha256(repr((model_cfg, page_size, numerics)).encode())
+def offload_namespace(model_cfg, params, page_size: int, numerics: str, layout: str = "") -> str:
+    """A name for this model's pages in shared tiers: its config, page size, numerics, parallel `layout`
+    (a laid-out page is every device's part of it) and a fingerprint of its weights (a page written under
+    other weights, numerics or layout is never read back)."""
+    digest = hashlib.sha256(repr((model_cfg, page_size, numerics, *([layout] if layout else []))).encode())
     for leaf in jax.tree.leaves(params)[:8]:
         digest.update(repr((leaf.shape, str(leaf.dtype))).encode())
         digest.update(np.asarray(jax.device_get(leaf.reshape(-1)[:64])).tobytes())
@@ -355,16 +352,20 @@ def group_page_bytes(model_cfg, kv, page_size: int) -> list[int]:
     return [spec.bytes_per_page for spec in kv_buffer_specs(model_cfg, page_size)]
 
 
-def build_offload(engine_cfg, model_cfg, params, kv) -> tuple[OffloadConnector, OffloadWorker]:
-    """The connector's two sides for the tiers `engine_cfg` asks for; `OffloadTierError` if one cannot start.
-    The host and disk tiers choose victims by `tier_entry_score` and recency."""
+def build_offload(engine_cfg, model_cfg, params, kv, runner=None) -> tuple[OffloadConnector, OffloadWorker]:
+    """The connector's two sides for the tiers `engine_cfg` asks for, over `runner`'s KV buffers (one
+    device's, or a laid-out runner's); `OffloadTierError` if one cannot start. The host and disk tiers
+    choose victims by `tier_entry_score` and recency."""
     stats = OffloadStats()
     health = {name: TierHealth(name, stats) for name in TIER_NAMES}
-    namespace = offload_namespace(model_cfg, params, engine_cfg.block_size, engine_cfg.numerics)
+    parallel = engine_cfg.parallel
+    namespace = offload_namespace(model_cfg, params, engine_cfg.block_size, engine_cfg.numerics,
+                                  "" if parallel.is_single_device else parallel.name)
+    mover = page_mover(model_cfg, engine_cfg.block_size, runner, getattr(kv, "layout", None))
     host = disk = mooncake = None
     host_slots = 0
-    if engine_cfg.host_cache_gb > 0:  # a host slot holds one page of every group (slots are shared)
-        page_bytes = sum(group_page_bytes(model_cfg, kv, engine_cfg.block_size))
+    if engine_cfg.host_cache_gb > 0:  # a slot holds one page of every group, every device's part of it
+        page_bytes = sum(mover.page_bytes(group) for group in range(mover.num_groups))
         host_slots = int(engine_cfg.host_cache_gb * 2**30) // page_bytes
         host = HostPageIndex(len(kv.groups), host_slots, scored=True)
     if engine_cfg.disk_cache_dir:
@@ -376,7 +377,7 @@ def build_offload(engine_cfg, model_cfg, params, kv) -> tuple[OffloadConnector, 
     connector = OffloadConnector(kv, host, disk, mooncake, engine_cfg.kv_offload_retention, stats, health,
                                  entry_score=tier_entry_score(model_cfg, kv, engine_cfg.block_size))
     worker = OffloadWorker(model_cfg, engine_cfg.block_size, connector, host_slots, engine_cfg.kv_load_timeout_s,
-                           kv_layout=kv.layout)
+                           mover=mover)
     logger.warning("KV offload tiers: %s (namespace %s%s)", ", ".join(connector.tiers), namespace,
                    f", {host_slots} host pages" if host_slots else "")
     return connector, worker

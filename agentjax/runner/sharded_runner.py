@@ -52,9 +52,11 @@ def check_engine_layout(cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
 
     parallel = engine_cfg.parallel
     check_layout(cfg, parallel, available_devices=len(jax.devices()), block_size=engine_cfg.block_size)
-    if not parallel.is_single_device and engine_cfg.kv_offload_enabled:
-        raise ParallelLayoutError(f"KV offload tiers do not run with the parallel layout {parallel.name} yet; "
-                                  "turn off host_cache_gb, disk_cache_dir and mooncake_master")
+    if engine_cfg.kv_offload_enabled and (parallel.data_parallel_size > 1 or engine_cfg.num_processes > 1):
+        raise ParallelLayoutError(f"KV offload tiers do not run with data parallelism or several processes yet "
+                                  f"(layout {parallel.name}, {engine_cfg.num_processes} processes); they run with "
+                                  "TP, DCP and PCP in one process. Turn off host_cache_gb, disk_cache_dir and "
+                                  "mooncake_master")
 
 
 class ShardedModelRunner(ModelRunner):

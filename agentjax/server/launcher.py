@@ -20,6 +20,8 @@ from agentjax.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
+WARMUP_ENV = "AGENTJAX_WARMUP"
+WARMUP_LEVELS = ("none", "decode", "steps", "all")  # agentjax.runner.warmup's (this module never imports jax)
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -55,6 +57,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-queued-requests", type=int, default=256, help="requests queued or running before a 429")
     add("--max-request-body-bytes", type=int, default=8 * 2**20, help="largest request body (413 beyond)")
     add("--timeout-graceful-shutdown", type=float, default=30.0, help="seconds to let requests finish on SIGTERM")
+    add("--warmup", choices=WARMUP_LEVELS, default=None,
+        help="before the ready line, build the step executables serving can reach: decode (every decode "
+             "step shape, greedy and sampled), steps (every step shape), all (steps with the log-probability "
+             f"and penalty variants and the KV offload page movers), none; default: ${WARMUP_ENV}, else decode")
 
 
 def key_ring_from_args(args: argparse.Namespace):
@@ -111,7 +117,8 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
     if config.num_processes > 1 and config.process_id != 0:
         return follow_driver(engine, config)
     name = served_model_name(args)
-    logger.info("loaded %s in %.1f s; starting the HTTP server", model_cfg.name, time.perf_counter() - started)
+    logger.info("loaded %s in %.1f s", model_cfg.name, time.perf_counter() - started)
+    warm_up_engine(engine, args.warmup or os.environ.get(WARMUP_ENV) or "decode")
     limits = ServerLimits(max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_queued_requests=args.max_queued_requests)
@@ -131,6 +138,20 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
     if config.num_processes > 1:
         engine.runner.send({"call": "stop"})  # the other processes' follow loops end too
     return 0
+
+
+def warm_up_engine(engine, level: str) -> None:
+    """The warm-up `--warmup` asks for (agentjax/runner/warmup.py); a data-parallel engine has none yet."""
+    if level not in WARMUP_LEVELS:
+        raise SystemExit(f"agentjax serve: ${WARMUP_ENV}={level!r} is not one of {', '.join(WARMUP_LEVELS)}")
+    if level == "none":
+        return
+    if hasattr(engine, "ranks"):  # a DataParallelEngine
+        logger.warning("warm-up skipped: it covers single-rank engines only (data_parallel_size > 1)")
+        return
+    from agentjax.runner.warmup import warm_up
+
+    warm_up(engine, level)
 
 
 def follow_driver(engine, config) -> int:

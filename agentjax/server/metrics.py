@@ -31,6 +31,9 @@ ENGINE_COUNTERS = (
      "prompt_tokens_computed_total"),
     ("agentjax:generation_tokens", "Tokens generated.", "generation_tokens_total"),
     ("agentjax:num_preemptions", "Requests preempted by the scheduler.", "num_preemptions"),
+    ("agentjax:compiled_executables", "XLA executables the engine built (compiled or loaded from the persistent "
+     "cache) in its steps and warm-up; after a full warm-up, a rise means a step shape was missed.",
+     "compiled_executables"),
 )
 ENGINE_GAUGES = (
     ("agentjax:num_requests_running", "Requests in the running batch.", "num_running"),

@@ -36,12 +36,16 @@ def plan_speculation(model_cfg, engine_cfg, tokenizer=None, draft_model=None):
     if spec is None:
         return model_cfg, None
     parallel = engine_cfg.parallel
-    if not parallel.is_single_device or engine_cfg.num_processes > 1:
+    if parallel.data_parallel_size > 1 or engine_cfg.num_processes > 1:
         raise SpeculativeConfigError(
-            f"speculative decoding runs on one device for now; the layout {parallel.name} "
-            f"(num_processes={engine_cfg.num_processes}) is not supported with speculative_config")
-    if spec.method == "ngram":
+            f"speculative decoding does not run with data parallelism or several processes yet; the layout "
+            f"{parallel.name} (num_processes={engine_cfg.num_processes}) is not supported with speculative_config")
+    if spec.method == "ngram":  # drafts come from the host; the laid-out step verifies them as one device's does
         return model_cfg, None
+    if not parallel.is_single_device:
+        raise SpeculativeConfigError(
+            f"speculative_config method {spec.method!r} runs on one device for now (its drafter is not laid out); "
+            f"the layout {parallel.name} runs method 'ngram'")
     if engine_cfg.kv_offload_enabled:
         raise SpeculativeConfigError(f"speculative_config method {spec.method!r} does not run with KV offload "
                                      "tiers yet; turn off host_cache_gb, disk_cache_dir and mooncake_master")

@@ -21,6 +21,9 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# Servers the tests start skip the warm-up (every decode shape compiled before the ready line), which
+# would cost each one its compiles up front; the tests of the warm-up ask for it by flag.
+os.environ.setdefault("AGENTJAX_WARMUP", "none")
 STARTUP_TIMEOUT_S = 240
 CLIENT_TIMEOUT_S = 180
 

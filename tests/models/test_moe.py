@@ -258,6 +258,33 @@ def test_one_token_and_ragged_token_counts(num_tokens, numerics):
     assert_matches_reference(make_moe(GROUPED), GROUPED, tokens(num_tokens, seed=num_tokens), numerics)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "numerics"))
+def _forward_padded(graphdef, state, x, real_tokens, numerics):
+    return nnx.merge(graphdef, state)(x, numerics, real_tokens=real_tokens, with_stats=True)
+
+
+@pytest.mark.parametrize("impl, numerics", [("reference", "fast"), ("reference", "batch_invariant"),
+                                            ("kernel", "fast")])
+def test_padding_rows_reach_no_expert(impl, numerics):
+    """5 real rows in an 8-row bucket: 5 x k pairs reach the experts (the grouped matmuls' group sizes), the
+    real rows' outputs are those of the same rows with the padding routed, the padding rows get the shared
+    experts alone. "kernel" runs the Pallas grouped matmul (interpret mode on a CPU)."""
+    cfg = MINIMAX_LIKE
+    moe = make_moe(cfg)
+    moe.experts.impl = impl
+    x = tokens(8, seed=3)
+    real = jnp.arange(8) < 5
+    graphdef, state = nnx.split(moe)
+    out, pairs = _forward_padded(graphdef, state, x, real, numerics)
+    routed_all, pairs_all = _forward_padded(graphdef, state, x, jnp.ones(8, bool), numerics)
+    assert int(pairs) == 5 * cfg.num_experts_per_token and int(pairs_all) == 8 * cfg.num_experts_per_token
+    np.testing.assert_array_equal(np.asarray(out)[:5], np.asarray(routed_all)[:5])
+    shared_only = np.asarray(moe.shared_experts(x, numerics))[5:]
+    np.testing.assert_allclose(np.asarray(out)[5:], shared_only, rtol=1e-6, atol=1e-6)
+    ref = reference_moe(cfg, params_of(moe), np.asarray(x, np.float64))
+    np.testing.assert_allclose(np.asarray(out)[:5], ref[:5], rtol=1e-4, atol=2e-5)
+
+
 # ----------------------------------------------------------------------------- numerics and transforms
 
 # Width at which XLA's CPU matmuls already pick their strategy by row count (at 24 they do not).

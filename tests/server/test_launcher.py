@@ -59,6 +59,21 @@ def test_the_ready_line_names_the_url_model_and_kv_capacity_in_tokens_and_memory
     assert "in 1.00 GiB" in ready_line(engine, "k", "K", "::1", 1, 0)
 
 
+def test_warm_up_skips_a_data_parallel_engine_and_builds_nothing(caplog):
+    """A data-parallel engine counts compiles too, yet warm_up covers single-rank engines only: serve
+    logs the skip instead of running a single-rank warm-up on it."""
+    from agentjax import LLM
+    from agentjax.server.launcher import warm_up_engine
+    from tests.sharding.parity import need_devices
+
+    need_devices(2)
+    engine = LLM("preset:tiny-dense", num_kv_blocks=16, data_parallel_size=2).engine
+    with caplog.at_level("WARNING", logger="agentjax.server.launcher"):
+        warm_up_engine(engine, "decode")
+    assert "warm-up skipped" in caplog.text
+    assert engine.stats()["compiled_executables"] == 0
+
+
 def test_key_flags_build_the_key_ring_and_the_environment_stands_in_for_missing_flags(monkeypatch, tmp_path):
     import json
 

@@ -87,6 +87,7 @@ def test_dcp_on_deepseek_v4_sparse_stack_is_refused():
     ("tiny-kimi-k3", dict(data_parallel_size=8, enable_expert_parallel=True)),
     ("tiny-minimax-m3", dict(tensor_parallel_size=4)),
     ("tiny-minimax-m3", dict(prefill_context_parallel_size=4)),
+    ("tiny-minimax-m3", dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)),
 ])
 def test_layouts_the_tiny_presets_run_fit(preset, settings):
     check_layout(PRESETS[preset], ParallelConfig(**settings), available_devices=8)

@@ -57,6 +57,35 @@ def test_expert_parallel_experts_match_one_device(numerics):
 
 
 @pytest.mark.parametrize("numerics", ["batch_invariant", "fast"])
+def test_expert_parallel_experts_inside_tensor_parallel_match_one_device(numerics):
+    """EP over data x TP: the TP ranks of a data rank hold the same tokens and each sends every other one."""
+    need_devices(4)
+    moe, x, weights, ids = _moe_inputs()
+    want = moe.experts(x, weights, ids, numerics)
+    parallel = ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    tokens_each = 11  # each data rank routes its own tokens (21 padded to 22), the same on both its TP ranks
+    pad = 2 * tokens_each - x.shape[0]
+    stacked = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(2, tokens_each, *a.shape[1:])
+               for a in (x, weights, ids)]
+    module = ExpertParallelExperts(nnx.Param(moe.experts.gate_up_proj[...]), nnx.Param(moe.experts.down_proj[...]),
+                                   moe.experts.activation, CONFIG.num_experts, parallel)
+    graphdef, state = nnx.split(module)
+
+    def body(state, x, w, i):
+        return nnx.merge(graphdef, state)(x[0], w[0], i[0], numerics)[None]
+
+    data = PartitionSpec(axes("data"))
+    mapped = jax.shard_map(body, mesh=build_mesh(parallel),
+                           in_specs=(jax.tree.map(lambda _: PartitionSpec(axes("expert")), state), data, data, data),
+                           out_specs=data, check_vma=False)
+    got = jax.jit(mapped)(state, *stacked).reshape(-1, 16)[: x.shape[0]]
+    if numerics == "batch_invariant":
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    else:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("numerics", ["batch_invariant", "fast"])
 def test_tensor_parallel_experts_match_one_device(numerics):
     need_devices(4)
     moe, x, weights, ids = _moe_inputs()

@@ -31,3 +31,14 @@ def test_tensor_parallel_is_bit_equal_to_one_device_in_batch_invariant_numerics(
 def test_tensor_parallel_fast_numerics_match_one_device_closely(preset, tp):
     need_devices()
     assert_same_run(greedy_run(preset, "fast"), greedy_run(preset, "fast", tensor_parallel_size=tp), exact=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, layout", [
+    ("tiny-minimax-m3", dict(tensor_parallel_size=2, enable_expert_parallel=True)),  # experts over the TP ranks
+    ("tiny-kimi-k3", dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)),  # EP = DP x TP
+])
+def test_expert_parallel_inside_tensor_parallel_is_bit_equal_to_one_device(preset, layout):
+    need_devices()
+    single = greedy_run(preset, "batch_invariant")
+    assert_same_run(single, greedy_run(preset, "batch_invariant", **layout), exact=True)
