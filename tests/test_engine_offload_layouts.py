@@ -1,8 +1,9 @@
-"""KV offload tiers under a parallel layout (agentjax/runner/page_mover.py's sharded mover, on 8 virtual
+"""KV offload tiers under a parallel layout (agentjax/runner/page_mover.py's sharded movers, on 8 virtual
 CPU devices): a conversation whose pages left the device between turns comes back from the host, disk or
 Mooncake tier token-exact against one device without the cache (numerics="batch_invariant"), on
 tiny-dense under TP2 and PCP2 x TP2 and on tiny-kimi-k3 (MLA latents and a recurrent state) under
-TP2 x DCP2; and the layouts the tiers do not run with yet say so."""
+TP2 x DCP2, over the byte pool's per-device slabs and (TP2) the shared layout's buffers; and the
+layouts the tiers do not run with yet say so."""
 from __future__ import annotations
 
 import sys
@@ -15,6 +16,7 @@ from offload_conversation import expected_hits, make_engine, run_conversation  #
 
 from agentjax.errors import ParallelLayoutError  # noqa: E402
 from agentjax.models import load_model  # noqa: E402
+from agentjax.runner.page_mover import ShardedBufferPageMover, ShardedPoolPageMover  # noqa: E402
 from tests.sharding.parity import need_devices  # noqa: E402
 
 DENSE_FIRST = [(7919 * i) % 40000 + 3 for i in range(70)]
@@ -60,14 +62,19 @@ def dense_reference(dense):
 @pytest.mark.parametrize("tier, layout", [("host", dict(tensor_parallel_size=2)),
                                           ("disk", dict(tensor_parallel_size=2)),
                                           ("mooncake", dict(tensor_parallel_size=2)),
-                                          ("host", dict(prefill_context_parallel_size=2, tensor_parallel_size=2))],
-                         ids=["tp2-host", "tp2-disk", "tp2-mooncake", "pcp2-tp2-host"])
+                                          ("host", dict(prefill_context_parallel_size=2, tensor_parallel_size=2)),
+                                          ("host", dict(tensor_parallel_size=2, kv_layout="shared"))],
+                         ids=["tp2-host", "tp2-disk", "tp2-mooncake", "pcp2-tp2-host", "tp2-shared-host"])
 def test_a_laid_out_conversation_from_a_tier_is_token_exact_against_one_device(dense, dense_reference, tier, layout,
                                                                               tmp_path, request):
     need_devices()
     reference = dense_reference
     engine = make_engine(*dense, **layout, **_tier_settings(tier, tmp_path, request))
-    assert engine.offload_worker.mover.num_devices == engine.config.parallel.num_devices
+    mover = engine.offload_worker.mover
+    assert mover.num_devices == engine.config.parallel.num_devices
+    # the byte pool's per-device slabs by default, per-kind buffers with the shared layout
+    expected_mover = ShardedBufferPageMover if layout.get("kv_layout") == "shared" else ShardedPoolPageMover
+    assert type(mover) is expected_mover
     replies, cached, computed = run_conversation(engine, DENSE_FIRST, DENSE_FOLLOW_UPS)
     assert replies == reference
     assert cached == expected_hits(computed) == [0, 64]  # every page of turn 1 came back from the tier
@@ -84,6 +91,7 @@ def test_kimi_tp2_dcp2_latents_and_recurrent_state_from_the_host_tier_are_token_
     reference = run_conversation(make_engine(*kimi, enable_prefix_caching=False), KIMI_FIRST, KIMI_FOLLOW_UPS,
                                  evict=False)[0]
     engine = make_engine(*kimi, tensor_parallel_size=2, decode_context_parallel_size=2, host_cache_gb=0.02)
+    assert type(engine.offload_worker.mover) is ShardedPoolPageMover
     replies, cached, computed = run_conversation(engine, KIMI_FIRST, KIMI_FOLLOW_UPS)
     assert replies == reference
     assert cached == expected_hits(computed, checkpoint=64) == [0, 128]  # the last state checkpoint
