@@ -114,12 +114,15 @@ class ModelRunner:
         return (self.params, drafting.draft_params) if drafting is not None and drafting.draft_cfg else self.params
 
     def _new_kv_pages(self):
+        # Committed to the device from the start: the offload page movers return committed arrays, and a
+        # step sees an uncommitted and a committed KV as two shapes (a compile after warm-up).
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         if self.kv_layout is not None and self.kv_layout.mode == "pool":
-            return new_pool(self.kv_layout)
+            return new_pool(self.kv_layout, device)
         pages = tuple(self.cfg.new_kv_pages(self.num_pages, self.page_size))
         if self.drafting is not None and self.drafting.draft_cfg is not None:
             pages += tuple(self.drafting.draft_cfg.new_kv_pages(self.num_pages, self.page_size))
-        return pages
+        return jax.device_put(pages, device)
 
     def execute(
         self,

@@ -73,3 +73,33 @@ def test_a_dev_trace_replay_after_warm_up_builds_no_executable():
     assert engine.num_steps - steps_before >= 50
     assert engine.stats()["compiled_executables"] == report.executables  # serving built nothing
     assert engine.runner.compiled_shapes == shapes
+
+
+@pytest.mark.parametrize("layout", [{}, dict(tensor_parallel_size=2)], ids=["one-device", "tp2"])
+def test_page_mover_warm_up_builds_every_move_once_over_the_byte_pool_and_changes_no_page(layout):
+    """The offload page movers over the byte pool (one device's, or each device's part of it under TP2):
+    warmed on the null page, they leave the KV memory as it was, a second warm-up builds nothing, and the
+    steps warmed before them still run on the KV memory they return without a new executable."""
+    import jax
+    import numpy as np
+
+    from agentjax.runner.warmup import warm_page_movers, warm_up
+    from tests.sharding.parity import need_devices
+
+    if layout:
+        need_devices()
+    engine = _engine(host_cache_gb=0.01, **layout)
+    assert engine.kv_layout.mode == "pool" and type(engine.offload_worker.mover).__name__.endswith("PoolPageMover")
+    engine.runner.kv_pages = jax.tree.map(lambda a: a + 1, engine.runner.kv_pages)  # no page is all zeros
+    assert warm_up(engine, "decode").executables > 0
+    before = np.asarray(engine.runner.kv_pages.array)
+    with engine.compiles.counting():
+        first = engine.compiles.executables
+        warm_page_movers(engine)
+        built = engine.compiles.executables - first
+        warm_page_movers(engine)
+        again = engine.compiles.executables - first - built
+    assert built > 0 and again == 0
+    assert warm_up(engine, "decode").executables == 0  # the movers kept the KV memory's placement
+    np.testing.assert_array_equal(np.asarray(engine.runner.kv_pages.array), before)
+    engine.offload_worker.close()
