@@ -91,7 +91,7 @@ def test_page_mover_warm_up_builds_every_move_once_over_the_byte_pool_and_change
     engine = _engine(host_cache_gb=0.01, **layout)
     assert engine.kv_layout.mode == "pool" and type(engine.offload_worker.mover).__name__.endswith("PoolPageMover")
     engine.runner.kv_pages = jax.tree.map(lambda a: a + 1, engine.runner.kv_pages)  # no page is all zeros
-    assert warm_up(engine, "decode").executables > 0
+    warm_up(engine, "decode")  # the decode steps, on the KV memory as the runner made it (or from the cache)
     before = np.asarray(engine.runner.kv_pages.array)
     with engine.compiles.counting():
         first = engine.compiles.executables
