@@ -218,8 +218,11 @@ def test_eight_interleaved_sessions_equal_the_plain_run(plain_run):
 
 @pytest.mark.slow
 def test_preemption_in_a_small_pool_keeps_tokens_exact(plain_run):
-    # 7 KV groups: one request may need 56 pages; 64 with prefill chunks of 16 makes later chunks preempt
-    engine = _engine(num_kv_blocks=64, max_num_batched_tokens=128, long_prefill_token_threshold=16)
+    # The shared layout's 7 KV groups: one request may need 56 page ids; 64 with prefill chunks of 16 makes
+    # later chunks preempt. The byte pool holds these sessions without preempting; its preemption is
+    # tests/test_engine_kv_layout.py::test_groups_trade_memory_under_pressure_and_the_tokens_stay_those_of_a_large_pool.
+    engine = _engine(num_kv_blocks=64, max_num_batched_tokens=128, long_prefill_token_threshold=16,
+                     kv_layout="shared")
     turns = _run_sessions(engine, list(range(NUM_SESSIONS)))
     assert engine.scheduler.num_preemptions > 0 and any(record.preempted for record in engine.step_log)
     assert _replies(turns) == plain_run

@@ -142,7 +142,10 @@ def test_eight_interleaved_sessions_equal_the_plain_run(plain_run):
 
 @pytest.mark.slow
 def test_preemption_in_a_small_pool_keeps_tokens_exact(plain_run):
-    engine = _engine(num_kv_blocks=18, max_num_batched_tokens=128)  # two KV groups share the 17 usable pages
+    # The shared layout: two KV groups share the 17 usable page ids. The byte pool packs them into one group
+    # and holds these sessions without preempting; its preemption is
+    # tests/test_engine_kv_layout.py::test_groups_trade_memory_under_pressure_and_the_tokens_stay_those_of_a_large_pool.
+    engine = _engine(num_kv_blocks=18, max_num_batched_tokens=128, kv_layout="shared")
     turns = _run_sessions(engine, list(range(NUM_SESSIONS)))
     assert engine.scheduler.num_preemptions > 0
     assert any(record.preempted for record in engine.step_log)
