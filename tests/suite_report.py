@@ -50,8 +50,9 @@ def file_of(nodeid: str) -> str:
 class SuiteReport:
     def __init__(self, config):
         self.config = config
-        self.worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.in_worker = hasattr(config, "workerinput")
+        # from the config, not the environment: a pytest started by a test inherits its worker's variables
+        self.worker = config.workerinput["workerid"] if self.in_worker else "main"
         self.counter = CompileCounter()
         self.watcher = PeakWatcher()
         self.records: list[dict] = []       # one per test, gathered where the reports are logged

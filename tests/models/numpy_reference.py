@@ -6,18 +6,36 @@ pairs for llama, halves for gemma3), so it also checks agentjax's Q/K un-permuta
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import gguf
 import numpy as np
 
 
-def reference_weights(reader) -> dict[str, np.ndarray]:
-    """Every tensor of the file dequantised to float64 (pass to `reference_logits` to reuse)."""
-    out = {}
-    for t in reader.tensors:
+class Float64Weights(Mapping):
+    """Every tensor of a GGUF file as float64, dequantised when read.
+
+    Nothing is kept: a whole 270M-parameter model in float64 is 2 GB, and a forward only needs one
+    layer's tensors (and the embedding) at a time."""
+
+    def __init__(self, reader):
+        self._tensors = {t.name: t for t in reader.tensors}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        t = self._tensors[name]
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        out[t.name] = np.asarray(arr, np.float64).reshape(tuple(int(d) for d in reversed(t.shape)))
-    return out
+        return np.asarray(arr, np.float64).reshape(tuple(int(d) for d in reversed(t.shape)))
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def reference_weights(reader) -> Float64Weights:
+    """The file's tensors for `reference_logits` (pass them in to share them between calls)."""
+    return Float64Weights(reader)
 
 
 def _field(reader, key):
@@ -117,5 +135,5 @@ def reference_logits(reader, token_ids, sliding=True, weights=None, positions=No
             mlp = _rms(mlp, W[p + "post_ffw_norm.weight"], eps)
         x = x + mlp
     x = _rms(x if positions is None else x[positions], W["output_norm.weight"], eps)
-    head = W.get("output.weight", W["token_embd.weight"])
+    head = W["output.weight"] if "output.weight" in W else W["token_embd.weight"]
     return x @ head.T

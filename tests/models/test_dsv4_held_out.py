@@ -26,22 +26,11 @@ from agentjax.models import load_model
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
-DATA = Path(__file__).parent / "data"
+from tests.models.fixture_checkpoints import DATA, model as _model, page as _page, reference as _reference
 TOLERANCE = 1e-4
 
 
-@functools.cache
-def _reference(name: str, tag: str = "") -> dict[str, np.ndarray]:
-    return dict(np.load(DATA / name / (f"reference_{tag}.npz" if tag else "reference.npz")))
 
-
-@functools.cache
-def _model(name: str):
-    return load_model(str(DATA / name))
-
-
-def _page(name: str) -> int:
-    return math.lcm(16, page_tokens_multiple(_model(name)[0]))
 
 
 def _all_logits(name: str, ids: list[int]) -> np.ndarray:

@@ -34,24 +34,12 @@ from agentjax.models import load_model
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
-DATA = Path(__file__).parent / "data"
+from tests.models.fixture_checkpoints import DATA, model as _model, page as _page, reference as _reference
 FIXTURES = ("deepseek-v4-a", "deepseek-v4-b")
 MIN_MARGIN = 2e-3  # transformers' top-1 margin below which a greedy token may flip on rounding
 
 
-@functools.cache
-def _reference(name: str, tag: str = "") -> dict[str, np.ndarray]:
-    return dict(np.load(DATA / name / (f"reference_{tag}.npz" if tag else "reference.npz")))
 
-
-@functools.cache
-def _model(name: str):
-    return load_model(str(DATA / name))
-
-
-def _page(name: str) -> int:
-    """Tokens per KV page: 16, or a multiple of the fixture's compression rates (fixture b: 32)."""
-    return math.lcm(16, page_tokens_multiple(_model(name)[0]))
 
 
 @functools.cache

@@ -30,20 +30,12 @@ from agentjax.models import load_model
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
-DATA = Path(__file__).parent / "data"
+from tests.models.fixture_checkpoints import DATA, model as _model, reference as _reference
 FIXTURES = ("fuzz-deepseek-v4-41", "fuzz-kimi-linear-3", "fuzz-minimax-m3-7")
 MIN_MARGIN = 2e-3
 TOLERANCE = 1e-4
 
 
-@functools.cache
-def _reference(name: str) -> dict[str, np.ndarray]:
-    return dict(np.load(DATA / name / "reference.npz"))
-
-
-@functools.cache
-def _model(name: str):
-    return load_model(str(DATA / name))
 
 
 def _raw_config(name: str) -> dict:

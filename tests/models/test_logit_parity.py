@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,15 +14,21 @@ from numpy_reference import reference_logits, reference_weights  # noqa: E402
 
 from agentjax.models.params import params_from_arrays  # noqa: E402
 from agentjax.runner import RaggedBatch, make_step  # noqa: E402
+from agentjax.runner.step import make_forward, make_logits_fn  # noqa: E402
 from checkpoints.gguf import load_gguf  # noqa: E402
 
 
-def _jax_logits(cfg, arrays, tokens, page_size=16):
+def _jax_logits(cfg, arrays, tokens, page_size=16, positions=None):
+    """Logits at every position of `tokens`, or only at `positions` (the LM head over a 262K vocabulary
+    at every position would cost more memory than the whole forward)."""
     params = params_from_arrays(cfg, arrays)
-    step = make_step(cfg, all_positions=True)
     kv_pages = cfg.new_kv_pages(2 + len(tokens) // page_size + 1, page_size)
-    logits, _ = step(params, kv_pages, RaggedBatch.from_prompts([tokens], page_size))
-    return np.asarray(logits)[: len(tokens)]
+    batch = RaggedBatch.from_prompts([tokens], page_size)
+    if positions is None:
+        logits, _ = make_step(cfg, all_positions=True)(params, kv_pages, batch)
+        return np.asarray(logits)[: len(tokens)]
+    hidden, _ = jax.jit(make_forward(cfg))(params, kv_pages, batch)
+    return np.asarray(jax.jit(make_logits_fn(cfg))(params, hidden[jnp.asarray(positions)]))
 
 
 def test_smollm2_logits_match_float64_numpy_reference():
@@ -46,7 +54,8 @@ def test_gemma3_logits_match_reference_and_sliding_window_matters():
     # Every page boundary (16 tokens), the window's edge and the last token: the LM head over a
     # 262K vocabulary at all 600 positions would cost more than the whole forward.
     positions = sorted({*range(0, len(tokens), 8), *range(15, len(tokens), 16), 510, 511, 512, 513, len(tokens) - 1})
-    ours = _jax_logits(cfg, arrays, tokens)[positions]
+    ours = _jax_logits(cfg, arrays, tokens, positions=positions)
+    del arrays  # the float32 weights go before the float64 reference is read
     weights = reference_weights(reader)
     ref = reference_logits(reader, tokens, weights=weights, positions=positions)
     assert np.abs(ours[-1] - ref[-1]).max() < 1e-3

@@ -18,19 +18,11 @@ from agentjax.models import load_model
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
-DATA = Path(__file__).parent / "data"
+from tests.models.fixture_checkpoints import DATA, model as _model, reference as _reference
 FIXTURES = ("minimax-m3-a", "minimax-m3-b")
 MIN_MARGIN = 2e-3  # transformers' top-1 margin below which a greedy token may flip on rounding
 
 
-@functools.cache
-def _reference(name: str) -> dict[str, np.ndarray]:
-    return dict(np.load(DATA / name / "reference.npz"))
-
-
-@functools.cache
-def _model(name: str):
-    return load_model(str(DATA / name))
 
 
 def _prompt_logits(cfg, params, ids: list[int], numerics: str = "fast", page_size: int = 16) -> np.ndarray:
