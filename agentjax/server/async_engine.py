@@ -312,10 +312,12 @@ def _kv_capacity_tokens(engine: Any) -> int | None:
     the engine's own fit rule; for an engine without a KV manager, pages times page size if it says."""
     rank = getattr(engine, "ranks", [engine])[0]
     kv = getattr(rank, "kv", None)
-    if hasattr(kv, "max_pages_for") and isinstance(getattr(rank, "max_model_len", None), int):
+    chunk_tokens = getattr(getattr(rank, "config", None), "max_num_batched_tokens", None)
+    if (hasattr(kv, "max_pages_for") and isinstance(getattr(rank, "max_model_len", None), int)
+            and isinstance(chunk_tokens, int)):
         from agentjax.request_fit import request_token_capacity
 
-        return request_token_capacity(kv, rank.max_model_len, rank.config.max_num_batched_tokens)
+        return request_token_capacity(kv, rank.max_model_len, chunk_tokens)
     pages = engine.stats().get("kv_total_blocks")
     block_size = getattr(getattr(engine, "config", None), "block_size", None)
     if isinstance(pages, int) and isinstance(block_size, int) and pages > 0:
