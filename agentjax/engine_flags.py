@@ -54,7 +54,8 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     add("--num-kv-blocks", type=int, default=None,
         help="size the KV pool as this many pages of the shared layout (default: from --kv-cache-memory-gb)")
     add("--kv-cache-memory-gb", type=float, default=_DEFAULTS.kv_cache_memory_gb,
-        help=f"device memory for the KV pool in {GIB}, when --num-kv-blocks is not given")
+        help=f"device memory for the KV pool in {GIB} (each device's under TP, DCP and PCP), when --num-kv-blocks "
+             "is not given")
     add("--kv-layout", choices=("auto", "pool", "shared"), default=_DEFAULTS.kv_layout,
         help="pool: one pool of bytes whose slabs each page group carves into pages sized to what it stores; "
              "shared: one page id spans a page of every KV kind; auto: the pool wherever the engine runs it")

@@ -30,13 +30,11 @@ def engine_kv_layout(model_cfg, engine_cfg, draft_cfg=None):
     `pool_unsupported` says why not), sized by `num_kv_blocks` or `kv_cache_memory_gb`."""
     block = engine_cfg.parallel.kv_page_tokens(engine_cfg.block_size)
     if engine_cfg.kv_layout != "shared":
-        if engine_cfg.num_kv_blocks:
-            memory = engine_cfg.num_kv_blocks * _shared_page_bytes(model_cfg, draft_cfg, block)
-        else:
-            memory = int(engine_cfg.kv_cache_memory_gb * 2**30)
+        memory = None if engine_cfg.num_kv_blocks else int(engine_cfg.kv_cache_memory_gb * 2**30)
         try:
-            pool = build_layout(model_cfg, block, memory_bytes=memory, draft_cfg=draft_cfg,
-                                checkpoint_interval=engine_cfg.state_checkpoint_tokens)
+            pool = build_layout(model_cfg, block, memory_bytes=memory, num_pages=engine_cfg.num_kv_blocks or None,
+                                draft_cfg=draft_cfg, checkpoint_interval=engine_cfg.state_checkpoint_tokens,
+                                device_part=_device_part(model_cfg, engine_cfg, draft_cfg))
             reason = pool_unsupported(pool, engine_cfg)
         except InvalidRequestError as error:
             if engine_cfg.kv_layout == "pool":
@@ -52,8 +50,16 @@ def engine_kv_layout(model_cfg, engine_cfg, draft_cfg=None):
                         checkpoint_interval=engine_cfg.state_checkpoint_tokens)
 
 
-def _shared_page_bytes(model_cfg, draft_cfg, block: int) -> int:
-    return build_layout(model_cfg, block, num_pages=2, mode="shared", draft_cfg=draft_cfg).slab_bytes
+def _device_part(model_cfg, engine_cfg, draft_cfg) -> tuple | None:
+    """`(local model config, dcp)` of one device of the engine's parallel layout (None: one device, or a
+    layout that runs the shared layout anyway). Memory sizes then count one device's bytes."""
+    parallel = engine_cfg.parallel
+    if (parallel.is_single_device or draft_cfg is not None or engine_cfg.num_processes > 1
+            or parallel.data_parallel_size > 1):
+        return None
+    from sharding.layouts import local_model_config
+
+    return local_model_config(model_cfg, parallel), parallel.decode_context_parallel_size
 
 
 def _legacy_pages(model_cfg, draft_cfg, engine_cfg) -> int:

@@ -16,11 +16,18 @@ from agentjax.kv.specs import KVSpec, PackedSpec, group_layers
 
 
 def build_layout(cfg, block_size: int, *, memory_bytes: int | None = None, num_pages: int | None = None,
-                 mode: str = "pool", draft_cfg=None, checkpoint_interval: int | None = None) -> KVMemoryLayout:
+                 mode: str = "pool", draft_cfg=None, checkpoint_interval: int | None = None,
+                 device_part: tuple | None = None) -> KVMemoryLayout:
     """The layout of `cfg` (and a speculative-decoding `draft_cfg`) with `block_size`-token hash blocks,
     sized by `memory_bytes`, or by `num_pages`: the bytes of that many page ids of the "shared" layout
     (the old meaning of `num_kv_blocks`). Recurrent states are saved every `checkpoint_interval` tokens
-    (None: `cost_aware_checkpoint_tokens`)."""
+    (None: `cost_aware_checkpoint_tokens`).
+
+    `device_part=(local_cfg, dcp)`: a parallel layout's device holds `local_cfg`'s share of each kind (its
+    heads; 1/`dcp` of each page's tokens). Then the sizes are one device's: `memory_bytes` is each device's
+    KV memory, `num_pages` that many shared-layout pages of a device's share, and the pages per slab are
+    chosen on the device's page sizes (tensor and context parallelism shrink the groups unequally, so a
+    geometry chosen on the whole model's pages would leave a device's slabs part empty)."""
     if mode not in LAYOUT_MODES:
         raise InvalidRequestError(f"kv_layout must be one of {LAYOUT_MODES}, got {mode!r}")
     if block_size < 1:
@@ -29,13 +36,19 @@ def build_layout(cfg, block_size: int, *, memory_bytes: int | None = None, num_p
                 else cost_aware_checkpoint_tokens(cfg, block_size))
     kinds, tensor_kinds = _kinds(cfg, draft_cfg, interval)
     shared = _shared_layout(cfg, kinds, tensor_kinds, block_size, interval, num_pages or 2)
+    page_bytes = shared.slab_bytes
+    if device_part is not None and mode == "pool":
+        if draft_cfg is not None:
+            raise InvalidRequestError("a parallel layout's device part of a pool with a draft model is not built yet")
+        _, cells = _device_cells(kinds, device_part, lambda index: block_size, interval)
+        page_bytes = sum(cells[i][2] * len(kind.layers) for i, kind in enumerate(kinds)) * shared.word_bytes
     if num_pages is not None:
-        memory_bytes = num_pages * shared.slab_bytes
+        memory_bytes = num_pages * page_bytes
     if memory_bytes is None:
         raise InvalidRequestError("a KV layout needs memory_bytes or num_pages")
     if mode == "shared":
         return shared.with_slabs(num_pages if num_pages is not None else max(16, memory_bytes // shared.slab_bytes))
-    return _pool_layout(cfg, kinds, tensor_kinds, block_size, interval, memory_bytes)
+    return _pool_layout(cfg, kinds, tensor_kinds, block_size, interval, memory_bytes, device_part)
 
 
 @dataclass
@@ -141,7 +154,7 @@ def _shared_layout(cfg, kinds: list[_Kind], tensor_kinds, block_size: int, inter
 
 
 def _pool_layout(cfg, kinds: list[_Kind], tensor_kinds, block_size: int, interval: int,
-                 memory_bytes: int) -> KVMemoryLayout:
+                 memory_bytes: int, device_part: tuple | None = None) -> KVMemoryLayout:
     word = dtype_bytes(cfg.dtype)
     members = _pool_groups(kinds)
     tokens = [_group_tokens([kinds[i] for i in group], block_size, interval) for group in members]
@@ -150,13 +163,24 @@ def _pool_layout(cfg, kinds: list[_Kind], tensor_kinds, block_size: int, interva
         for i in group:
             cells[i] = _cell(kinds[i], token_count, cfg.dtype)
     pages = [sum(cells[i][2] * len(kinds[i].layers) for i in group) for group in members]
-    weights = _reference_weights(kinds, members, tokens, pages)
-    slab, per_slab, planes = _slab_geometry(kinds, members, cells, pages, weights, memory_bytes // word)
-    num_slabs = memory_bytes // (slab * word)
+    if device_part is None:
+        weights = _reference_weights(kinds, members, tokens, pages)
+        slab, per_slab, planes = _slab_geometry(kinds, members, cells, pages, weights, memory_bytes // word)
+        sized_slab, where = slab, ""
+    else:  # the device's page sizes choose the geometry and count the slabs; the whole-model slab follows
+        group_of = {i: g for g, group in enumerate(members) for i in group}
+        _, local_cells = _device_cells(kinds, device_part, lambda i: tokens[group_of[i]], interval)
+        local_pages = [sum(local_cells[i][2] * len(kinds[i].layers) for i in group) for group in members]
+        weights = _reference_weights(kinds, members, tokens, local_pages)
+        sized_slab, per_slab, _ = _slab_geometry(kinds, members, local_cells, local_pages, weights,
+                                                 memory_bytes // word)
+        planes, slab = _planes_for_counts(kinds, members, cells, per_slab)
+        where = " per device"
+    num_slabs = memory_bytes // (sized_slab * word)
     if num_slabs < len(members) + 1:
         raise InvalidRequestError(
-            f"kv_cache_memory_gb={memory_bytes / 2**30:.4g} holds {num_slabs} slabs of {slab * word} bytes; this "
-            f"model's KV pool needs at least {len(members) + 1} (one per page group and the null slab)")
+            f"kv_cache_memory_gb={memory_bytes / 2**30:.4g} holds {num_slabs} slabs of {sized_slab * word} bytes"
+            f"{where}; this model's KV pool needs at least {len(members) + 1} (one per page group and the null slab)")
     kind_layouts = [None] * len(kinds)
     group_layouts = []
     for g, (group, token_count) in enumerate(zip(members, tokens)):
@@ -179,29 +203,45 @@ def local_layout(layout: KVMemoryLayout, local_cfg, dcp: int = 1) -> KVMemoryLay
     import dataclasses
 
     interval = next((g.tokens_per_page for g in layout.groups if g.hit_rule == "checkpoint"), DEFAULT_CHECKPOINT_TOKENS)
-    kinds, tensor_kinds = _kinds(local_cfg, None, interval)
-    if len(kinds) != len(layout.kinds):
-        raise InvalidRequestError(f"the local model has {len(kinds)} KV kinds, the layout {len(layout.kinds)}")
-    word = dtype_bytes(layout.dtype)
-    cells = {}
-    for index, kind in enumerate(kinds):
-        group = layout.groups[layout.kinds[index].group]
-        tokens = group.tokens_per_page if group.hit_rule == "checkpoint" else group.tokens_per_page // dcp
-        shape, dtype = kind_cell(local_cfg, kind.role, kind.spec, tokens)
-        cells[index] = (shape, dtype, math.prod(shape) * dtype_bytes(dtype) // word)
-    planes, end = {}, 0
-    for group in layout.groups:
-        offsets = _planes(kinds, list(group.kinds), cells, group.pages_per_slab, 1 << 62)
-        planes.update(offsets)
-        end = max(end, max(offsets[i] + group.pages_per_slab * len(kinds[i].layers) * cells[i][2] for i in group.kinds))
-    unit = math.lcm(*(c[2] for c in cells.values()))
-    slab = -(-end // unit) * unit
+    kinds, cells = _device_cells(layout.kinds, (local_cfg, dcp),
+                                 lambda index: layout.groups[layout.kinds[index].group].tokens_per_page, interval)
+    tensor_kinds = _kinds(local_cfg, None, interval)[1]
+    members = [list(g.kinds) for g in layout.groups]
+    planes, slab = _planes_for_counts(kinds, members, cells, [g.pages_per_slab for g in layout.groups])
     local_kinds = tuple(dataclasses.replace(layout.kinds[i], spec=kinds[i].spec, cell_shape=cells[i][0],
                                             dtype=cells[i][1], cell_words=cells[i][2], plane_offset=planes[i],
                                             cells_per_slab=slab // cells[i][2]) for i in range(len(kinds)))
     groups = tuple(dataclasses.replace(g, page_words=sum(cells[i][2] * len(kinds[i].layers) for i in g.kinds))
                    for g in layout.groups)
     return dataclasses.replace(layout, slab_words=slab, kinds=local_kinds, groups=groups, tensor_kinds=tensor_kinds)
+
+
+def _device_cells(whole_kinds, device_part: tuple, page_tokens, interval: int) -> tuple[list[_Kind], dict]:
+    """(the device's kinds, {kind index: (cell shape, dtype, pool words)}) of `device_part=(local_cfg, dcp)`:
+    its heads of each kind, 1/dcp of a page's `page_tokens(kind index)` tokens (a state is whole)."""
+    local_cfg, dcp = device_part
+    kinds, _ = _kinds(local_cfg, None, interval)
+    if len(kinds) != len(whole_kinds):
+        raise InvalidRequestError(f"the local model has {len(kinds)} KV kinds, the layout {len(whole_kinds)}")
+    word = dtype_bytes(local_cfg.dtype)
+    cells = {}
+    for index, kind in enumerate(kinds):
+        tokens = page_tokens(index) if kind.spec.hit_rule == "checkpoint" else page_tokens(index) // dcp
+        shape, dtype = kind_cell(local_cfg, kind.role, kind.spec, tokens)
+        cells[index] = (shape, dtype, math.prod(shape) * dtype_bytes(dtype) // word)
+    return kinds, cells
+
+
+def _planes_for_counts(kinds, members: list[list[int]], cells, counts: list[int]) -> tuple[dict[int, int], int]:
+    """(plane offset of each kind, slab words) for `counts` pages of each group: the longest group's
+    planes, rounded up to a multiple of every cell."""
+    planes, end = {}, 0
+    for group, count in zip(members, counts):
+        offsets = _planes(kinds, group, cells, count, 1 << 62)
+        planes.update(offsets)
+        end = max(end, max(offsets[i] + count * len(kinds[i].layers) * cells[i][2] for i in group))
+    unit = math.lcm(*(c[2] for c in cells.values()))
+    return planes, -(-end // unit) * unit
 
 
 def with_slabs(layout: KVMemoryLayout, num_slabs: int) -> KVMemoryLayout:
