@@ -145,7 +145,7 @@ def section(result: dict, command: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="embedded:smollm2-135m-instruct", help="a model spec (default: SmolLM2-135M)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model spec (default: SmolLM2-135M)")
     parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
@@ -153,7 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     result = measure(args.model, args.prompts, args.new_tokens, args.seed)
     command = "python scripts/bench_fp8_kv.py" + "".join(
-        f" {flag} {value}" for flag, value, default in (("--model", args.model, "embedded:smollm2-135m-instruct"),
+        f" {flag} {value}" for flag, value, default in (("--model", args.model, "smollm2-135m-instruct"),
                                                        ("--prompts", args.prompts, 100),
                                                        ("--new-tokens", args.new_tokens, 32),
                                                        ("--seed", args.seed, 0)) if value != default)
