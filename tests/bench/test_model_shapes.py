@@ -20,7 +20,7 @@ def test_fp8_kv_about_doubles_the_full_size_attention_kinds_tokens_per_gb_in_the
     assert fp8.kv_dtype == "fp8 (attention kinds)" and bf16.kv_dtype == "bfloat16"
     assert 1.9 < _attention_bytes_per_token(bf16) / _attention_bytes_per_token(fp8) < 2.0
     device = get_device("B300")
-    tokens = {dtype: CostModel(shape, device, Layout(tp=8)).capacity().tokens for dtype, shape in
+    tokens = {dtype: CostModel(shape, device, Layout(tp=8)).capacity().kv_tokens_per_engine for dtype, shape in
               (("bf16", bf16), ("fp8", fp8))}
     assert tokens["fp8"] > 1.4 * tokens["bf16"] > 0
 
