@@ -50,7 +50,8 @@ def resolve_attention_impl(impl: str, *, context_parallel: bool = False, backend
 
 
 _FP8_KERNEL_ERROR = ("{op}: FP8 KV pages (kv_cache_dtype='fp8') are read by the XLA reference only; the Pallas "
-                     "kernel path (attention_impl='kernel') has no FP8 KV yet: use attention_impl 'auto' or 'reference'")
+                     "kernel path (attention_impl='kernel') has no FP8 KV yet: "
+                     "use attention_impl 'auto' or 'reference'")
 
 
 def _check_impl(op: str, impl: str, available: tuple[str, ...], fp8_kv: bool = False) -> str:

@@ -114,8 +114,9 @@ def measure(model: str, count: int, new_tokens: int, seed: int) -> dict:
     sequences = [p + t for p, t in zip(prompts, exact)]
     errors, flips, largest = logit_errors(cfg, params, sequences, block)
     positions = sum(len(s) for s in sequences)
+    lengths = [len(p) for p in prompts]
     return dict(model=model, prompts=count, new_tokens=new_tokens, seed=seed,
-                prompt_tokens=(min(map(len, prompts)), int(np.median([len(p) for p in prompts])), max(map(len, prompts))),
+                prompt_tokens=(min(lengths), int(np.median(lengths)), max(lengths)),
                 identical=sum(a == b for a, b in zip(exact, fp8)),
                 agreement=float(np.mean(same_prefix)) / new_tokens,
                 first_token=sum(a[0] == b[0] for a, b in zip(exact, fp8)) / count,
