@@ -91,6 +91,9 @@ class ModelConfig:
     # Pallas kernels; interpret mode on a CPU), "reference" (the jnp references, the XLA path a CPU
     # runs fastest) or "auto": the kernels when JAX's default backend is a GPU, else the references.
     attention_impl: Literal["auto", "reference", "kernel"] = "auto"
+    # "fp8": the attention kinds' KV (GQA/MHA K/V, MLA latents) as float8_e4m3fn rows with a float32 scale
+    # per row (agentjax/kv/cache_layout.py); "auto": the model's dtype.
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -128,6 +131,9 @@ class ModelConfig:
             raise InvalidRequestError(f"mtp_kv_cache needs MTP modules; model {self.name!r} has num_mtp_modules=0")
         if self.attn_res_block_size is not None and self.attn_res_block_size < 1:
             raise InvalidRequestError(f"attn_res_block_size must be >= 1 or None, got {self.attn_res_block_size}")
+        from agentjax.kv.cache_layout import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self)
 
     def _check_block_sparse(self) -> None:
         sparse = self.block_sparse
@@ -318,6 +324,9 @@ class EngineConfig:
     # "deepseek_v4_fp8", "mxfp8", "modelopt_mxfp8", "modelopt_fp4", "compressed-tensors"); None: whatever
     # its quantization_config says (checkpoints/quant_config.py). Quantised weights stay quantised.
     quantization: str | None = None
+    # KV storage by vLLM's names: "fp8" (float8_e4m3fn rows, a float32 scale per token and head) for the
+    # attention kinds, on the XLA attention path; "auto": the model config's choice (its dtype by default).
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -351,6 +360,9 @@ class EngineConfig:
         if self.kv_policy not in ("lru", "hints", "marconi"):
             raise InvalidRequestError(f"kv_policy must be 'lru', 'hints' or 'marconi', got {self.kv_policy!r}")
         _ = self.parallel  # raises ParallelLayoutError on sizes < 1 or a DCP that does not divide TP
+        from agentjax.engine_kv import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self)
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
             raise InvalidRequestError(f"process_id must be in [0, num_processes={self.num_processes}), "
                                       f"got {self.process_id}")
@@ -361,16 +373,19 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
     def model_config_for(self, model_cfg: ModelConfig) -> ModelConfig:
-        """`model_cfg` with the concrete attention implementation this engine runs: this setting
-        unless "auto", else the model config's; "auto" there becomes "kernel" on a GPU and
-        "reference" on a CPU or under decode/prefill context parallelism
+        """`model_cfg` with this engine's KV cache dtype and the concrete attention implementation it runs:
+        this setting unless "auto", else the model config's; "auto" there becomes "kernel" on a GPU and
+        "reference" on a CPU, under decode/prefill context parallelism or with FP8 KV
         (`agentjax.kernels.resolve_attention_impl`, which looks at JAX's default backend)."""
+        from agentjax.engine_kv import with_kv_cache_dtype
         from agentjax.kernels import resolve_attention_impl
 
+        model_cfg = with_kv_cache_dtype(model_cfg, self)
         requested = model_cfg.attention_impl if self.attention_impl == "auto" else self.attention_impl
         parallel = self.parallel
         context_parallel = parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1
-        impl = resolve_attention_impl(requested, context_parallel=context_parallel)
+        impl = resolve_attention_impl(requested, context_parallel=context_parallel,
+                                      fp8_kv=model_cfg.kv_cache_dtype == "fp8")
         return model_cfg if impl == model_cfg.attention_impl else model_cfg.replace(attention_impl=impl)
 
     @property

@@ -59,6 +59,11 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     add("--kv-layout", choices=("auto", "pool", "shared"), default=_DEFAULTS.kv_layout,
         help="pool: one pool of bytes whose slabs each page group carves into pages sized to what it stores; "
              "shared: one page id spans a page of every KV kind; auto: the pool wherever the engine runs it")
+    add("--kv-cache-dtype", choices=("auto", "fp8"), default=_DEFAULTS.kv_cache_dtype,
+        help="fp8: store the attention KV (GQA/MHA K/V, MLA latents) as float8_e4m3fn with a float32 scale per "
+             "token and KV head (about half the bytes of bfloat16), on the XLA attention path (the Pallas "
+             "kernels and decode context parallelism refuse it); recurrent states, indexer keys and "
+             "DeepSeek-V4's kinds keep their formats (DeepSeek-V4 refuses fp8). auto: the model's dtype")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.enable_prefix_caching,
         help="reuse the cached pages of earlier prompts with the same prefix (default: on)")

@@ -6,7 +6,8 @@ Pallas kernel on a GPU, and the same kernel in interpret mode on a CPU, for test
 default: the kernel when JAX's default backend is a GPU, the reference on any other backend;
 `resolve_attention_impl` makes that choice, and an engine makes it once when it starts, see
 `EngineConfig.model_config_for`). Ops without a kernel of their own (DeepSeek-V4's row and entry
-writes and its compressor pool) run their XLA version under every impl.
+writes and its compressor pool) run their XLA version under every impl. FP8 KV pages (`fp8_kv=True`)
+are read by the references only: "auto" then picks the reference and "kernel" is refused.
 Only this module imports `pallas_kernels`, so models import nothing from a kernel file.
 """
 from __future__ import annotations
@@ -31,23 +32,34 @@ from pallas_kernels import ragged_paged_attention as _rpa
 ATTENTION_IMPLS = ("auto", "reference", "kernel")
 
 
-def resolve_attention_impl(impl: str, *, context_parallel: bool = False, backend: str | None = None) -> str:
+def resolve_attention_impl(impl: str, *, context_parallel: bool = False, backend: str | None = None,
+                           fp8_kv: bool = False) -> str:
     """"kernel" or "reference" for a requested `impl`: "auto" is the kernel on a GPU backend
-    (`backend`, default JAX's default backend) and the reference on any other backend or under
-    context parallelism (whose ranks run the reference attention only); an explicit choice is kept."""
+    (`backend`, default JAX's default backend) and the reference on any other backend, under
+    context parallelism (whose ranks run the reference attention only) or with FP8 KV pages (`fp8_kv`,
+    which only the references read); an explicit choice is kept ("kernel" with FP8 KV is refused)."""
     if impl not in ATTENTION_IMPLS:
         raise NotImplementedError(f"attention_impl={impl!r} is not available; choose one of {ATTENTION_IMPLS}")
+    if fp8_kv and impl == "kernel":
+        raise NotImplementedError(_FP8_KERNEL_ERROR.format(op="attention"))
     if impl != "auto":
         return impl
-    if context_parallel:
+    if context_parallel or fp8_kv:
         return "reference"
     return "kernel" if (backend or jax.default_backend()) == "gpu" else "reference"
 
 
-def _check_impl(op: str, impl: str, available: tuple[str, ...]) -> str:
-    """The concrete impl `op` runs for `impl` ("auto" resolved by the backend)."""
+_FP8_KERNEL_ERROR = ("{op}: FP8 KV pages (kv_cache_dtype='fp8') are read by the XLA reference only; the Pallas "
+                     "kernel path (attention_impl='kernel') has no FP8 KV yet: "
+                     "use attention_impl 'auto' or 'reference'")
+
+
+def _check_impl(op: str, impl: str, available: tuple[str, ...], fp8_kv: bool = False) -> str:
+    """The concrete impl `op` runs for `impl` ("auto" resolved by the backend and FP8 KV)."""
+    if fp8_kv and impl == "kernel":
+        raise NotImplementedError(_FP8_KERNEL_ERROR.format(op=op))
     if impl == "auto":
-        impl = resolve_attention_impl(impl)
+        impl = resolve_attention_impl(impl, fp8_kv=fp8_kv)
     if impl not in available:
         raise NotImplementedError(f"{op}: attention_impl={impl!r} is not available; choose one of "
                                   f"{('auto',) + available}")
@@ -68,7 +80,7 @@ def ragged_paged_attention(*args, impl: str = "reference", **kwargs):
     """
     if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
         return impl.ragged_paged_attention(*args, **kwargs)
-    if _check_impl("ragged_paged_attention", impl, ("reference", "kernel")) == "reference":
+    if _check_impl("ragged_paged_attention", impl, ("reference", "kernel"), kwargs.get("fp8_kv", False)) == "reference":
         return _rpa.ragged_paged_attention(*args, **kwargs)
     return attention_kernels(*args, on_gpu=_on_gpu(), **kwargs)
 
@@ -104,7 +116,7 @@ def mla_paged_attention(*args, impl: str = "reference", **kwargs):
     which needs the keyword arguments `kv_lens` and `cu_q_lens`."""
     if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
         return impl.mla_paged_attention(*args, **kwargs)
-    if _check_impl("mla_paged_attention", impl, ("reference", "kernel")) == "reference":
+    if _check_impl("mla_paged_attention", impl, ("reference", "kernel"), kwargs.get("fp8_kv", False)) == "reference":
         return _mla.mla_paged_attention(*args, **kwargs)
     return _mla.mla_paged_attention_kernel(*args, interpret=not _on_gpu(), **kwargs)
 
@@ -126,7 +138,7 @@ def block_sparse_attention(*args, impl: str = "reference", **kwargs):
     (see pallas_kernels.block_sparse_attention). "kernel": the Triton-style kernel (interpret mode on a CPU)."""
     if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
         return impl.block_sparse_attention(*args, **kwargs)
-    if _check_impl("block_sparse_attention", impl, ("reference", "kernel")) == "reference":
+    if _check_impl("block_sparse_attention", impl, ("reference", "kernel"), kwargs.get("fp8_kv", False)) == "reference":
         return _bsa.block_sparse_attention(*args, **kwargs)
     return _bsa_kernels.block_sparse_attention_kernel(*args, interpret=not _on_gpu(), **kwargs)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from agentjax.numerics import map_row_blocks
+from pallas_kernels.kv_fp8 import load_rows
 from pallas_kernels.ragged_paged_attention import FAST_QUERY_BLOCK, write_kv
 
 # Key positions scored per iteration of the indexer (rounded to whole pages and whole blocks).
@@ -161,9 +162,11 @@ def sparse_attend_paged(
     *,
     sm_scale: float,
     block_size: int,
+    fp8_kv: bool = False,
 ) -> Float[Array, "tokens heads dim"]:
     """Attention of each query head over the keys of its indexer head's selected blocks (and at or
-    before its position), one selected block per iteration with an online softmax.
+    before its position), one selected block per iteration with an online softmax (`fp8_kv`: FP8 rows,
+    dequantised as they are gathered).
 
     Query head h reads KV head `h // (heads / kv_heads)` and indexer head `h // (heads / index_heads)`.
     Heads are grouped in `max(kv_heads, index_heads)` units that share one KV head and one
@@ -171,7 +174,7 @@ def sparse_attend_paged(
     ascending order, whatever the order of `selected`.
     """
     num_tokens, num_heads, dim = q.shape
-    _, num_pages, page_size, kv2, _ = kv_pages.shape
+    _, num_pages, page_size, kv2, row_width = kv_pages.shape
     num_kv_heads, num_index_heads = kv2 // 2, selected.shape[1]
     units = max(num_kv_heads, num_index_heads)
     per_unit = num_heads // units
@@ -185,7 +188,7 @@ def sparse_attend_paged(
     unit_blocks = jnp.sort(jnp.where(unit_blocks < 0, big, unit_blocks), axis=-1)
     unit_blocks = jnp.where(unit_blocks == big, -1, unit_blocks)
 
-    flat = kv_pages[slot].reshape(num_pages * page_size, kv2, dim)
+    flat = kv_pages[slot].reshape(num_pages * page_size, kv2, row_width)
     qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, units, per_unit, dim)
     offsets = jnp.arange(block_size, dtype=jnp.int32)
 
@@ -197,8 +200,8 @@ def sparse_attend_paged(
         page_slot = jnp.clip(key_pos // page_size, 0, max_pages - 1)
         pages = jnp.take_along_axis(token_page_table[:, None, :], page_slot.reshape(num_tokens, 1, -1), axis=-1)
         rows = jnp.where(visible, pages.reshape(key_pos.shape) * page_size + key_pos % page_size, 0)
-        k = flat[rows, unit_kv_head[None, :, None]].astype(jnp.float32)  # [t, u, B, dim]
-        v = flat[rows, num_kv_heads + unit_kv_head[None, :, None]].astype(jnp.float32)
+        k = load_rows(flat, (rows, unit_kv_head[None, :, None]), dim, fp8_kv)  # [t, u, B, dim]
+        v = load_rows(flat, (rows, num_kv_heads + unit_kv_head[None, :, None]), dim, fp8_kv)
         scores = jnp.einsum("tugd,tubd->tugb", qg, k)
         scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
@@ -236,14 +239,16 @@ def block_sparse_attention(
     sm_scale: float,
     block_size: int,
     batch_invariant: bool = False,
+    fp8_kv: bool = False,
 ) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "slots pages page_size kv2 dim"]]:
     """Write this step's K/V into slot `slot`'s pages, then attend over the selected blocks:
-    `(out, kv_pages)`. `selected` comes from `index_select_blocks` (-1: no block)."""
-    kv_pages = write_kv(kv_pages, slot, k, v, slot_mapping)
+    `(out, kv_pages)`. `selected` comes from `index_select_blocks` (-1: no block). `fp8_kv`: the pages
+    hold FP8 rows (pallas_kernels/kv_fp8.py)."""
+    kv_pages = write_kv(kv_pages, slot, k, v, slot_mapping, fp8_kv)
 
     def attend(q_rows, table_rows, position_rows, selected_rows):
         return sparse_attend_paged(q_rows, kv_pages, slot, table_rows, position_rows, selected_rows,
-                                   sm_scale=sm_scale, block_size=block_size)
+                                   sm_scale=sm_scale, block_size=block_size, fp8_kv=fp8_kv)
 
     tables = page_indices[token_seq_ids]
     if batch_invariant:

@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
 from agentjax.numerics import map_row_blocks
+from pallas_kernels.kv_fp8 import load_rows, store_rows
 from pallas_kernels.ragged_paged_attention import _next_power_of_two, merge_attention_partials, work_items
 
 # Query tokens per block in the fast path: a block inside one sequence shares its page gathers.
@@ -36,12 +37,14 @@ def write_latent(
     slot: int | Array,
     rows: Float[Array, "tokens width"],
     slot_mapping: Int[Array, " tokens"],
+    fp8_kv: bool = False,
 ) -> Float[Array, "slots pages page_size width"]:
     """Scatter this step's latent rows into their entries (`page * page_size + offset`) of `slot`.
-    Padding tokens carry entries of the null page 0, which nothing reads."""
+    Padding tokens carry entries of the null page 0, which nothing reads. `fp8_kv`: the pages hold
+    packed FP8 rows (pallas_kernels/kv_fp8.py)."""
     num_slots, num_pages, page_size, width = latent_pages.shape
     flat = latent_pages.reshape(num_slots, num_pages * page_size, width)
-    flat = flat.at[slot, slot_mapping].set(rows.astype(latent_pages.dtype), mode="drop")
+    flat = flat.at[slot, slot_mapping].set(store_rows(rows, latent_pages.dtype, fp8_kv), mode="drop")
     return flat.reshape(num_slots, num_pages, page_size, width)
 
 
@@ -56,11 +59,13 @@ def attend_latent(
     sm_scale: float,
     pages_per_block: int = 4,
     return_lse: bool = False,
+    fp8_kv: bool = False,
 ) -> Float[Array, "tokens heads value_dim"] | tuple[Array, Float[Array, "tokens heads"]]:
     """Causal attention of each absorbed query over its sequence's latent rows: scores against the
     whole row, values its first `value_dim` entries. A 1-D `token_page_table` is one table shared by
     every token (a block of one sequence): its pages are gathered once. With `return_lse`, also each
-    head's float32 log-sum-exp (-inf for a token that sees no row), as `attend_paged` gives it."""
+    head's float32 log-sum-exp (-inf for a token that sees no row), as `attend_paged` gives it. `fp8_kv`:
+    the pages hold FP8 rows, dequantised as they are gathered."""
     shared = token_page_table.ndim == 1
     num_tokens, num_heads, width = q.shape
     page_size = latent_pages.shape[2]
@@ -83,7 +88,7 @@ def attend_latent(
     def attend_block(block, carry):
         m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, -1)
-        rows = latent_pages[slot, pages].astype(jnp.float32)
+        rows = load_rows(latent_pages, (slot, pages), width, fp8_kv)
         if shared:  # one sequence's rows for every query
             rows = rows.reshape(block_tokens, width)
             scores = jnp.einsum("thw,sw->ths", q32, rows)
@@ -129,6 +134,7 @@ def mla_paged_attention(
     kv_lens: Int[Array, " seqs"] | None = None,
     cu_q_lens: Int[Array, " seqs_plus_1"] | None = None,
     return_lse: bool = False,
+    fp8_kv: bool = False,
 ) -> tuple[Float[Array, "tokens heads value_dim"], Float[Array, "slots pages page_size width"]]:
     """Write this step's latent rows (`[c | k_rot]`) into slot `layer`'s pages, then attend with the
     absorbed queries: `(latent-space output [tokens, heads, value_dim], latent_pages)`.
@@ -137,14 +143,14 @@ def mla_paged_attention(
     every token is computed alone in fixed row blocks; the fast path lets a block of one sequence's
     tokens share its page gathers. `kv_lens`/`cu_q_lens` are the kernel's row metadata, unused here.
     `return_lse` adds each head's log-sum-exp: `(out, latent_pages, lse)` (decode context parallelism
-    merges partial results by it).
+    merges partial results by it). `fp8_kv`: the pages hold FP8 rows (quantised as written).
     """
     del kv_lens, cu_q_lens  # encoded in the per-token metadata
-    latent_pages = write_latent(latent_pages, layer, latent, slot_mapping)
+    latent_pages = write_latent(latent_pages, layer, latent, slot_mapping, fp8_kv)
 
     def attend(q_rows, table_rows, position_rows):
         return attend_latent(q_rows, latent_pages, layer, table_rows, position_rows,
-                             value_dim=value_dim, sm_scale=sm_scale, return_lse=return_lse)
+                             value_dim=value_dim, sm_scale=sm_scale, return_lse=return_lse, fp8_kv=fp8_kv)
 
     def result(out):
         return (out[0], latent_pages, out[1]) if return_lse else (out, latent_pages)

@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
+from pallas_kernels.kv_fp8 import load_rows, store_rows
 
 from agentjax.numerics import INVARIANT_ROW_BLOCK, map_row_blocks  # noqa: F401 (re-exported)
 
@@ -46,17 +47,19 @@ def write_kv(
     k: Float[Array, "tokens kv_heads dim"],
     v: Float[Array, "tokens kv_heads dim"],
     slot_mapping: Int[Array, " tokens"],
+    fp8_kv: bool = False,
 ) -> Float[Array, "layers pages page_size kv2 dim"]:
     """Scatter one layer's new keys and values into their slots (`page * page_size + offset`).
 
     The whole multi-layer buffer goes in and out, so a donated buffer is updated in place.
-    Padding tokens carry slots of the null page 0, which nothing reads.
+    Padding tokens carry slots of the null page 0, which nothing reads. `fp8_kv`: the pages hold
+    packed FP8 rows (pallas_kernels/kv_fp8.py; the last axis is a row's words, not `dim`).
     """
-    num_layers, num_pages, page_size, kv2, dim = kv_pages.shape
-    flat = kv_pages.reshape(num_layers, num_pages * page_size, kv2, dim)
-    new = jnp.concatenate([k, v], axis=1).astype(kv_pages.dtype)
+    num_layers, num_pages, page_size, kv2, width = kv_pages.shape
+    flat = kv_pages.reshape(num_layers, num_pages * page_size, kv2, width)
+    new = store_rows(jnp.concatenate([k, v], axis=1), kv_pages.dtype, fp8_kv)
     flat = flat.at[layer, slot_mapping].set(new, mode="drop")
-    return flat.reshape(num_layers, num_pages, page_size, kv2, dim)
+    return flat.reshape(num_layers, num_pages, page_size, kv2, width)
 
 
 def attend_paged(
@@ -71,6 +74,7 @@ def attend_paged(
     soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     pages_per_block: int = 4,
+    fp8_kv: bool = False,
 ) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "tokens heads"]]:
     """Causal attention of each query token over its own sequence's pages: `(out, lse)`.
 
@@ -81,13 +85,14 @@ def attend_paged(
     the natural log of that denominator (float32; -inf for a token that sees no key and has no
     sink). Streams `pages_per_block` pages per iteration with an online softmax. A 1-D
     `token_page_table` is one table shared by every token (tokens of one sequence): its pages
-    are then gathered once, not once per token.
+    are then gathered once, not once per token. `fp8_kv`: the pages hold FP8 rows, dequantised as
+    they are gathered.
     """
     shared = token_page_table.ndim == 1
     if shared:
         return _attend_shared_table(q, kv_pages, layer, token_page_table, token_positions, sm_scale=sm_scale,
                                     sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                                    pages_per_block=pages_per_block)
+                                    pages_per_block=pages_per_block, fp8_kv=fp8_kv)
     num_tokens, num_heads, dim = q.shape
     _, _, page_size, kv2, _ = kv_pages.shape
     num_kv_heads = kv2 // 2
@@ -116,10 +121,8 @@ def attend_paged(
     def attend_block(block, carry):
         m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, -1)
-        if shared:
-            kv = kv_pages[layer, pages].reshape(1, block_tokens, kv2, dim).astype(jnp.float32)
-        else:
-            kv = kv_pages[layer, pages].reshape(num_tokens, block_tokens, kv2, dim).astype(jnp.float32)
+        kv = load_rows(kv_pages, (layer, pages), dim, fp8_kv)
+        kv = kv.reshape(1 if shared else num_tokens, block_tokens, kv2, dim)
         k, v = kv[:, :, :num_kv_heads], kv[:, :, num_kv_heads:]
         key_pos = block * block_tokens + offsets
         visible = key_pos[None, :] <= token_positions[:, None]
@@ -168,6 +171,7 @@ def _attend_shared_table(
     soft_cap: float | None,
     sinks: Float[Array, " heads"] | None,
     pages_per_block: int,
+    fp8_kv: bool = False,
 ) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "tokens heads"]]:
     """`attend_paged` for tokens of one sequence (one shared page table), head-major.
 
@@ -203,7 +207,7 @@ def _attend_shared_table(
     def attend_block(block, carry):
         m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(page_table, block * pages_per_block, pages_per_block)
-        kv = kv_pages[layer, pages].reshape(block_tokens, kv2, dim).astype(jnp.float32).transpose(1, 0, 2)
+        kv = load_rows(kv_pages, (layer, pages), dim, fp8_kv).reshape(block_tokens, kv2, dim).transpose(1, 0, 2)
         k, v = kv[:num_kv_heads], kv[num_kv_heads:]
         key_pos = block * block_tokens + offsets
         visible = key_pos[None, :] <= row_positions[:, None]
@@ -260,6 +264,7 @@ def ragged_paged_attention(
     sinks: Float[Array, " heads"] | None = None,
     batch_invariant: bool = False,
     return_lse: bool = False,
+    fp8_kv: bool = False,
 ) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"]] | tuple[
     Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"], Float[Array, "tokens heads"]
 ]:
@@ -271,15 +276,16 @@ def ragged_paged_attention(
     `q[cu_q_lens[b]:cu_q_lens[b+1]]`. `distribution` (decode, prefill, mixed sequence ends) is
     accepted for kernel compatibility and unused by the reference. The per-token metadata
     (`token_seq_ids`, `token_positions`, `slot_mapping`) is derived from those arrays on the host,
-    where it is cheap, and passed in so the device never recomputes it.
+    where it is cheap, and passed in so the device never recomputes it. `fp8_kv`: the pages hold FP8
+    rows (pallas_kernels/kv_fp8.py): this step's K/V are quantised as written, pages dequantised as read.
     """
     del kv_lens, cu_q_lens, distribution  # encoded in the per-token metadata
-    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping)
+    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping, fp8_kv)
 
     def attend(q_rows, table_rows, position_rows):
         return attend_paged(
             q_rows, kv_pages, layer, table_rows, position_rows, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, sinks=sinks,
+            soft_cap=soft_cap, sinks=sinks, fp8_kv=fp8_kv,
         )
 
     token_tables = page_indices[token_seq_ids]
@@ -293,7 +299,7 @@ def ragged_paged_attention(
             jnp.all(seq_rows == seq_rows[0]),
             lambda: attend_paged(q_rows, kv_pages, layer, table_rows[0], position_rows, sm_scale=sm_scale,
                                  sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                                 pages_per_block=SHARED_PAGES_PER_BLOCK),
+                                 pages_per_block=SHARED_PAGES_PER_BLOCK, fp8_kv=fp8_kv),
             lambda: attend(q_rows, table_rows, position_rows),
         )
 

@@ -340,11 +340,12 @@ def shape_from_model_config(cfg, page_tokens: int = 16) -> ModelShape:
         activation_bytes=width, source=f"derived from the ModelConfig of {cfg.name}")
 
 
-def get_shape(name: str, kv_dtype: str | None = None) -> ModelShape:
+def get_shape(name: str, kv_dtype: str | None = None, kv_cache_dtype: str = "auto") -> ModelShape:
     """A full-size shape by name, or `preset:NAME` / a model spec through its ModelConfig. A full-size
-    shape's KV is what the engine stores today (the preset's dtype, bfloat16), its capacity from the
-    engine's layout (`engine_kv_terms`); `kv_dtype="fp8"`: ARCHITECTURES.md's plans (fp8 KV, fp8_ds_mla),
-    which the engine cannot run yet, capacity from the key streams."""
+    shape's KV is what the engine stores (the preset's dtype, bfloat16; with the engine's
+    `kv_cache_dtype="fp8"`, its attention kinds as FP8 rows with scales: refused for DeepSeek-V4), its
+    capacity from the engine's layout (`engine_kv_terms`); `kv_dtype="fp8"`: ARCHITECTURES.md's plans
+    (fp8 KV and index keys, fp8_ds_mla), beyond what the engine runs, capacity from the key streams."""
     if name in FULL_SIZE_SHAPES:
         if kv_dtype == "fp8":
             return FULL_SIZE_SHAPES[name]()
@@ -356,11 +357,24 @@ def get_shape(name: str, kv_dtype: str | None = None) -> ModelShape:
         if cfg.compressed_attention is not None:
             cfg = cfg.replace(compressed_attention=dataclasses.replace(cfg.compressed_attention,
                                                                        kv_format="model_dtype"))
+        if kv_cache_dtype == "fp8":
+            # the key streams' read traffic at 1 byte per value (ARCHITECTURES.md's fp8 plan: it counts
+            # MiniMax-M3's index keys at 1 byte too); capacity from the engine's FP8 layout
+            cfg = cfg.replace(kv_cache_dtype="fp8")
+            return dataclasses.replace(FULL_SIZE_SHAPES[name](kv_dtype="fp8"), kv_dtype="fp8 (attention kinds)",
+                                       kv_terms=engine_kv_terms(cfg))
         return dataclasses.replace(FULL_SIZE_SHAPES[name](kv_dtype=cfg.dtype), kv_terms=engine_kv_terms(cfg))
     if name.startswith("preset:"):
         from agentjax.models.presets import preset_config
 
         preset = name.removeprefix("preset:")
-        return shape_from_model_config(preset_config(preset, abstract=True))
+        cfg = preset_config(preset, abstract=True)
+        if kv_cache_dtype == "fp8":  # capacity from the engine's FP8 layout; key streams at the model's width
+            import dataclasses
+
+            cfg = cfg.replace(kv_cache_dtype="fp8")
+            return dataclasses.replace(shape_from_model_config(cfg), kv_dtype="fp8 (attention kinds)",
+                                       kv_terms=engine_kv_terms(cfg))
+        return shape_from_model_config(cfg)
     raise InvalidRequestError(f"unknown model shape {name!r}; known: {', '.join(FULL_SIZE_SHAPES)}, "
                               "or preset:NAME")

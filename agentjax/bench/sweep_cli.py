@@ -44,6 +44,9 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("Engine", "the simulated engine's settings")
     add = engine.add_argument
     add("--block-size", type=int, default=None, help="tokens per KV page (default: the model's)")
+    add("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+        help="the engine's KV storage: fp8 counts its attention kinds (K/V, MLA latents) as FP8 rows with a "
+             "scale per token and head, in capacity and read traffic (DeepSeek-V4 refuses it, as the engine does)")
     add("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
     add("--max-num-seqs", type=int, default=256, help="rows in one step")
     add("--long-prefill-token-threshold", type=int, default=0,
@@ -79,14 +82,15 @@ def _target_parts(args: argparse.Namespace):
     from agentjax.bench.model_shapes import get_shape
     from agentjax.config import EngineConfig
 
-    shape = get_shape(args.model)
+    shape = get_shape(args.model, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     device = get_device(args.gpu, args.efficiency)
     if args.gpu_price is not None:
         device = dataclasses.replace(device, price_per_hour=args.gpu_price)
     engine = EngineConfig(block_size=args.block_size or shape.page_tokens,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
-                          prefill_schedule_interval=args.prefill_schedule_interval)
+                          prefill_schedule_interval=args.prefill_schedule_interval,
+                          kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     agentx = AgentxConfig(traces=args.traces, lanes=1, context_scale=args.context_scale, duration_s=args.duration,
                           think_scale=args.think_scale, seed=args.seed)
     return shape, device, engine, agentx
@@ -113,7 +117,7 @@ def kv_assumption(shape) -> str:
     """What a projection assumes of the KV cache: its dtype, and whose accounting its capacity is."""
     dtype = shape.kv_dtype or "the model's dtype"
     if shape.kv_terms:
-        return (f"KV cache: {dtype}, as the engine stores it today; capacity from the engine's KV memory layout "
+        return (f"KV cache: {dtype}, as the engine stores it; capacity from the engine's KV memory layout "
                 "(agentjax/kv/layout.py: pages of each page group with their slab padding)")
     return f"KV cache: {dtype} (capacity from the model shape's key streams; not the format the engine runs today)" \
         if shape.kv_dtype == "fp8" else f"KV cache: {dtype}; capacity from the model shape's key streams"

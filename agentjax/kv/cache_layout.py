@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.specs import (CompressedLatentSpec, FullAttentionSpec, IndexerKeySpec, KVSpec, MLALatentSpec,
                                RecurrentStateSpec, RollingStateSpec, SlidingLatentSpec, SlidingWindowSpec,
-                               group_layers)
+                               fp8_row_bytes, group_layers)
 
 # Tokens between saved recurrent states when nothing else is asked (rounded up to whole pages).
 DEFAULT_CHECKPOINT_TOKENS = 64
@@ -24,6 +24,11 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 # 64 bf16 RoPE values + 8 B of scales per stored row, and FP8 indexer keys with their scale.
 FP8_DS_MLA_ROW_BYTES = 584
 FP8_INDEX_KEY_BYTES = 132
+# `kv_cache_dtype` values: "auto" stores KV in the model's dtype, "fp8" stores the attention kinds (K/V of
+# GQA/MHA layers, sliding or not, block-sparse or not; MLA latents) as float8_e4m3fn rows with a float32
+# scale each. Recurrent states, indexer keys and DeepSeek-V4's kinds keep their own formats.
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_ROLES = ("kv", "latent")
 # DeepSeek-V4's roles: window K=V rows, compressed entries, compressed indexer keys, and the two
 # compressors' rolling per-token inputs.
 COMPRESSED_ATTENTION_ROLES = ("window", "entries", "index_entries", "kv_state", "index_state")
@@ -88,12 +93,33 @@ def _dtype_bytes(cfg) -> int:
     return _DTYPE_BYTES[cfg.dtype]
 
 
+def check_kv_cache_dtype(cfg) -> None:
+    """Raise if `cfg.kv_cache_dtype` is unknown, or "fp8" for a model with a kind that cannot take it."""
+    dtype = getattr(cfg, "kv_cache_dtype", "auto")
+    if dtype not in KV_CACHE_DTYPES:
+        raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {dtype!r}")
+    refused = sorted({t for t in cfg.layer_types if t in ("swa_mqa", "csa", "hca")})
+    if dtype == "fp8" and refused:
+        raise InvalidRequestError(
+            f"kv_cache_dtype='fp8' stores GQA/MHA K/V and MLA latents; model {cfg.name!r} has {', '.join(refused)} "
+            f"layers, whose KV kinds ({', '.join(COMPRESSED_ATTENTION_ROLES)}) have no FP8 device format "
+            "(compressed_attention.kv_format='fp8_ds_mla' sizes them for plans only): use kv_cache_dtype='auto'")
+    if dtype == "fp8" and _dtype_bytes(cfg) > 4:
+        raise InvalidRequestError(f"kv_cache_dtype='fp8' needs a 16- or 32-bit model dtype, got {cfg.dtype!r}")
+
+
+def fp8_kv(cfg) -> bool:
+    """Whether `cfg` stores its attention kinds as FP8 rows (`kv_cache_dtype="fp8"`)."""
+    return getattr(cfg, "kv_cache_dtype", "auto") == "fp8"
+
+
 def kv_tensors(cfg, checkpoint_interval: int = DEFAULT_CHECKPOINT_TOKENS) -> list[KVTensor]:
     """Every KV tensor of an `agentjax.config.ModelConfig`, in layer order."""
     nbytes = _dtype_bytes(cfg)
     page_tokens = required_page_tokens(cfg)
+    fp8 = fp8_kv(cfg)
     attention = FullAttentionSpec(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype_bytes=nbytes,
-                                  required_page_tokens=page_tokens)
+                                  required_page_tokens=page_tokens, fp8=fp8)
     layers = list(enumerate(cfg.layer_types))
     if cfg.mtp_kv_cache:  # the MTP layers, run by speculative decoding (agentjax/models/mtp.py)
         layers += [(cfg.num_layers + i, mtp_layer_type(cfg)) for i in range(cfg.num_mtp_modules)]
@@ -104,14 +130,14 @@ def kv_tensors(cfg, checkpoint_interval: int = DEFAULT_CHECKPOINT_TOKENS) -> lis
         elif layer_type == "sliding_attention":
             tensors.append(KVTensor(layer, "kv", SlidingWindowSpec(
                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype_bytes=nbytes,
-                sliding_window=cfg.sliding_window)))
+                sliding_window=cfg.sliding_window, fp8=fp8)))
         elif layer_type == "block_sparse_attention":
             tensors.append(KVTensor(layer, "kv", attention))
             tensors.append(KVTensor(layer, "index", IndexerKeySpec(
                 ratio=1, entry_bytes=cfg.block_sparse.index_head_dim * nbytes, required_page_tokens=page_tokens)))
         elif layer_type == "mla":
             tensors.append(KVTensor(layer, "latent", MLALatentSpec(
-                latent_dim=cfg.mla.kv_lora_rank, rope_dim=cfg.mla.qk_rope_head_dim, dtype_bytes=nbytes)))
+                latent_dim=cfg.mla.kv_lora_rank, rope_dim=cfg.mla.qk_rope_head_dim, dtype_bytes=nbytes, fp8=fp8)))
         elif layer_type == "kda":
             tensors.append(KVTensor(layer, "state", RecurrentStateSpec(
                 bytes_per_state=4 * cfg.kda.state_size, checkpoint_interval=checkpoint_interval)))
@@ -203,16 +229,25 @@ def kv_buffer_specs(cfg, page_size: int) -> list[KVBufferSpec]:
 def kind_cell(cfg, role: str, spec: KVSpec, page_tokens: int) -> tuple[tuple[int, ...], str]:
     """Shape and dtype of one layer's share of one page of `page_tokens` tokens (a "cell") of the kind
     whose tensors have `role` and `spec`: K then V heads per token, indexer keys or MLA latent rows per
-    token, DeepSeek-V4's rows and entries, or one float32 recurrent state."""
+    token, DeepSeek-V4's rows and entries, or one float32 recurrent state. An FP8 K/V head row or latent
+    row is its packed bytes as words of the model's dtype (`fp8_row_bytes`)."""
     if role == "kv":
-        return (page_tokens, 2 * cfg.num_kv_heads, cfg.head_dim), cfg.dtype
+        return (page_tokens, 2 * cfg.num_kv_heads, _row_width(cfg, cfg.head_dim)), cfg.dtype
     if role == "index":
         return (page_tokens, cfg.block_sparse.index_head_dim), cfg.dtype
     if role == "latent":
-        return (page_tokens, cfg.mla.latent_width), cfg.dtype
+        return (page_tokens, _row_width(cfg, cfg.mla.latent_width)), cfg.dtype
     if role in COMPRESSED_ATTENTION_ROLES:
         return _compressed_attention_page(cfg, role, spec, page_tokens)
     return (cfg.kda.state_size,), "float32"  # a recurrent state, kept in float32 as the reference keeps it
+
+
+def _row_width(cfg, values: int) -> int:
+    """Words of the model's dtype one row of `values` takes: the values, or an FP8 row's packed bytes."""
+    if not fp8_kv(cfg):
+        return values
+    word = _dtype_bytes(cfg)
+    return fp8_row_bytes(values, word) // word
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -16,6 +16,16 @@ from agentjax.errors import InvalidRequestError
 
 HitRule = Literal["prefix", "window", "checkpoint"]
 
+# An FP8 KV row (`kv_cache_dtype="fp8"`): its float8_e4m3fn values, then the row's float32 scale.
+FP8_SCALE_BYTES = 4
+
+
+def fp8_row_bytes(width: int, word_bytes: int) -> int:
+    """Stored bytes of one FP8 row of `width` values (one token's K or V head, or one MLA latent row):
+    a byte per value and the 4-byte scale, padded to whole words of the KV memory (at least 4 bytes)."""
+    unit = max(FP8_SCALE_BYTES, word_bytes)
+    return -(-(width + FP8_SCALE_BYTES) // unit) * unit
+
 
 @dataclass(frozen=True)
 class KVSpec:
@@ -49,15 +59,18 @@ class KVSpec:
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVSpec):
-    """K and V of every token (GQA/MHA/MQA)."""
+    """K and V of every token (GQA/MHA/MQA); `fp8`: each head's row as FP8 values and a scale
+    (`fp8_row_bytes`, padded to `dtype_bytes` words)."""
 
     kind: ClassVar[str] = "full_attention"
     num_kv_heads: int = 1
     head_dim: int = 64
     dtype_bytes: int = 2
+    fp8: bool = False
 
     def bytes_for_tokens(self, num_tokens: int) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes * num_tokens
+        row = fp8_row_bytes(self.head_dim, self.dtype_bytes) if self.fp8 else self.head_dim * self.dtype_bytes
+        return 2 * self.num_kv_heads * row * num_tokens
 
 
 @dataclass(frozen=True)
@@ -75,15 +88,19 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 @dataclass(frozen=True)
 class MLALatentSpec(KVSpec):
-    """One shared latent (K = V) per token, as in MLA: `latent_dim + rope_dim` values."""
+    """One shared latent (K = V) per token, as in MLA: `latent_dim + rope_dim` values (`fp8`: as FP8
+    values and a scale, `fp8_row_bytes`)."""
 
     kind: ClassVar[str] = "mla_latent"
     latent_dim: int = 512
     rope_dim: int = 64
     dtype_bytes: int = 2
+    fp8: bool = False
 
     def bytes_for_tokens(self, num_tokens: int) -> int:
-        return (self.latent_dim + self.rope_dim) * self.dtype_bytes * num_tokens
+        width = self.latent_dim + self.rope_dim
+        row = fp8_row_bytes(width, self.dtype_bytes) if self.fp8 else width * self.dtype_bytes
+        return row * num_tokens
 
 
 @dataclass(frozen=True)

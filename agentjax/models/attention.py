@@ -42,6 +42,7 @@ class Attention(nnx.Module):
         self.sm_scale = cfg.query_scale
         self.impl = cfg.attention_impl
         self.kv_kinds = dict(kv_groups)
+        self.fp8_kv = cfg.kv_cache_dtype == "fp8"  # pages of FP8 rows (pallas_kernels/kv_fp8.py)
 
     def project(self, x: Float[Array, "tokens hidden"], batch: RaggedBatch, numerics: str):
         """Q, K and V of the batch's tokens, normed and rotated: `[tokens, heads, dim]` each."""
@@ -82,6 +83,7 @@ class Attention(nnx.Module):
             sliding_window=self.sliding_window,
             batch_invariant=numerics == "batch_invariant",
             impl=self.impl,
+            fp8_kv=self.fp8_kv,
         )
         paged.store("kv", pages)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), paged.kv

@@ -52,6 +52,7 @@ class BlockSparseAttention(nnx.Module):
         self.sm_scale = cfg.query_scale
         self.impl = cfg.attention_impl
         self.kv_kinds = dict(kv_groups)
+        self.fp8_kv = cfg.kv_cache_dtype == "fp8"  # K/V pages of FP8 rows; the indexer keys stay in the model dtype
 
     def project(self, x: Float[Array, "tokens hidden"], batch: RaggedBatch, numerics: str):
         """Q, K, V `[tokens, heads, dim]` and the indexer's queries `[tokens, index_heads, index_dim]`
@@ -118,6 +119,7 @@ class BlockSparseAttention(nnx.Module):
             block_size=self.block_size,
             batch_invariant=invariant,
             impl=self.impl,
+            fp8_kv=self.fp8_kv,
         )
         paged.store("kv", pages)
         kv = paged.kv

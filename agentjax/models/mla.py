@@ -61,6 +61,7 @@ class MLAAttention(nnx.Module):
         self.sm_scale = cfg.attention_scale if cfg.attention_scale is not None else mla.qk_head_dim**-0.5
         self.impl = cfg.attention_impl
         self.kv_kinds = dict(kv_groups)
+        self.fp8_kv = cfg.kv_cache_dtype == "fp8"  # pages of FP8 rows (pallas_kernels/kv_fp8.py)
 
     def queries(self, x: Float[Array, "tokens hidden"], numerics: str) -> Float[Array, "tokens heads qk"]:
         if self.mla.q_lora_rank is None:
@@ -114,6 +115,7 @@ class MLAAttention(nnx.Module):
             sm_scale=self.sm_scale,
             batch_invariant=numerics == "batch_invariant",
             impl=self.impl,
+            fp8_kv=self.fp8_kv,
         )
         out = _per_token(lambda rows: jnp.einsum("thr,rhv->thv", rows, w_uv), numerics, out_latent)
         if mla.output_gate:

@@ -1,6 +1,6 @@
-"""Tests of agentjax/kv/cache_layout.py's default interval between saved recurrent states: the fewest
+"""Tests of agentjax/kv/cache_layout.py: the default interval between saved recurrent states (the fewest
 tokens whose prefix KV outweighs one state, so interval states never cost more bytes than the pages they
-checkpoint (issue 37 scope 6)."""
+checkpoint; issue 37 scope 6), and the cells and specs of FP8 KV kinds."""
 from __future__ import annotations
 
 import pytest
@@ -43,3 +43,25 @@ def test_an_engine_setting_must_be_whole_pages():
     for bad in (0, 40, -16):
         with pytest.raises(InvalidRequestError, match="state_checkpoint_tokens"):
             EngineConfig(state_checkpoint_tokens=bad)
+
+
+def test_fp8_kv_cells_are_packed_rows_in_the_models_words_and_their_specs_count_them():
+    from agentjax.kv.cache_layout import kind_cell, kv_tensors
+    from agentjax.kv.specs import fp8_row_bytes
+
+    for preset, role, width in (("tiny-dense", "kv", 16), ("tiny-kimi-k3", "latent", 24)):
+        for dtype, word in (("float32", 4), ("bfloat16", 2)):
+            cfg = preset_config(preset).replace(dtype=dtype, kv_cache_dtype="fp8")
+            tensor = next(t for t in kv_tensors(cfg) if t.role == role)
+            shape, cell_dtype = kind_cell(cfg, role, tensor.spec, 16)
+            assert cell_dtype == dtype and shape[-1] * word == fp8_row_bytes(width, word) == width + 4
+            values = 1
+            for size in shape:
+                values *= size
+            assert tensor.spec.bytes_for_tokens(16) == values * word
+    assert fp8_row_bytes(30, 2) == 36 and fp8_row_bytes(30, 4) == 36 and fp8_row_bytes(29, 4) == 36
+
+
+def test_an_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of"):
+        preset_config("tiny-dense").replace(kv_cache_dtype="int8")

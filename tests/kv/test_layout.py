@@ -118,3 +118,31 @@ def test_the_shared_layout_is_the_managers_old_plan_and_sizes_num_kv_blocks_page
     assert shared.num_slabs == 40 and shared.slab_bytes == cfg.kv_bytes_per_page(16)
     pool = build_layout(cfg, 16, num_pages=40)  # the same bytes, carved by group
     assert pool.total_bytes <= 40 * shared.slab_bytes < pool.total_bytes + pool.slab_bytes
+
+
+@pytest.mark.parametrize("name, role, ratio", [("minimax-m3", "kv", 256 / 132), ("kimi-k3", "latent", 1152 / 580)])
+def test_full_size_fp8_kv_halves_the_attention_kinds_bytes_per_token(name, role, ratio):
+    """bfloat16 K/V head rows of 128 values (256 B) become 132 B of FP8 and scale; Kimi-K3's 576-value
+    latent rows 1,152 B -> 580 B. Indexer keys and KDA states keep their bytes (a state is saved every
+    more tokens: the cost-aware interval follows the lighter prefix KV)."""
+    base = preset_config(name, abstract=True)
+    layouts = {dtype: build_layout(base.replace(kv_cache_dtype=dtype), 16, memory_bytes=100 * 2**30)
+               for dtype in ("auto", "fp8")}
+
+    def per_token(layout, wanted):
+        return sum(k.slots * k.cell_words * layout.word_bytes / layout.groups[k.group].tokens_per_page
+                   for k in layout.kinds if k.role == wanted)
+
+    assert per_token(layouts["auto"], role) / per_token(layouts["fp8"], role) == pytest.approx(ratio)
+    assert per_token(layouts["auto"], "index") == per_token(layouts["fp8"], "index")
+    states = [[k.slots * k.cell_words for k in layout.kinds if k.role == "state"] for layout in layouts.values()]
+    assert states[0] == states[1]
+    for context in (32_768, 131_072):
+        fp8 = layouts["fp8"]
+        assert fp8.tokens_per_gb(context) > 1.4 * layouts["auto"].tokens_per_gb(context)
+        assert fp8.tokens_per_gb(context) >= 0.9 * fp8.ideal_tokens_per_gb(context)
+
+
+def test_fp8_kv_is_refused_for_deepseek_v4s_kinds_by_name():
+    with pytest.raises(InvalidRequestError, match="csa, hca.*window, entries, index_entries"):
+        dsv4_like().replace(kv_cache_dtype="fp8")
