@@ -49,7 +49,8 @@ import numpy as np
 
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.block_pool import BlockPool
-from agentjax.kv.eviction import EvictionOrder, PinnedEvictionOrder
+from agentjax.kv.eviction import EvictionOrder
+from agentjax.kv.pinned_order import PinnedEvictionOrder
 from agentjax.kv.groups import CheckpointGroup, GroupManager, make_group_manager
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32
 from agentjax.kv.manager_states import RecurrentStateMixin
