@@ -4,8 +4,8 @@ request lifecycle, and nothing outside agentjax/kv reaches into it.
 A static check over the source (`ast`, no import of the modules, no jax): outside agentjax/kv/ and
 agentjax/scheduler/, no module calls the manager's step-path methods, and no module outside the
 manager's own files reads its private members or its pool. The manager is recognised by name: an
-expression ending in `kv`, `kv_manager` or `kv_cache_manager`, or `manager` in a module that
-imports `KVCacheManager`.
+expression ending in `kv`, `kv_manager` or `kv_cache_manager`, `manager` in a module that
+imports `KVCacheManager`, or a name a `KVCacheManager(...)` constructor call is assigned to.
 """
 import ast
 from pathlib import Path
@@ -49,6 +49,10 @@ def _offences(path: Path, relative: str) -> list[str]:
     names = set(MANAGER_NAMES)
     if "KVCacheManager" in path.read_text():
         names.add("manager")
+    for node in ast.walk(tree):  # `m = KVCacheManager.full_attention(...)`: m is a manager too
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                ast.unparse(node.value.func).split(".")[0] == "KVCacheManager":
+            names.update(filter(None, map(_receiver_name, node.targets)))
     inside_kv = relative.startswith("agentjax/kv/")
     may_drive = inside_kv or relative.startswith("agentjax/scheduler/") or relative in STEP_PATH_DRIVERS
     found = []
@@ -95,6 +99,7 @@ def test_the_declared_drivers_exist():
     ("def f(kv):\n    kv.pool.release([3])\n", "the manager's pool"),
     ("def f(engine):\n    return getattr(engine.kv, 'pool', None)\n", "the manager's pool"),
     ("from agentjax.kv import KVCacheManager\n\ndef f(manager):\n    manager._requests.clear()\n", "a private member"),
+    ("def f(KVCacheManager):\n    m = KVCacheManager.full_attention(64)\n    m.allocate('r', [1])\n", "a step-path call"),
 ])
 def test_the_check_names_each_kind_of_offence(tmp_path, source, expected):
     path = tmp_path / "offender.py"
