@@ -121,7 +121,7 @@ class DataParallelEngine:
         # each rank's engine sizes its own KV pool (equal sizes); the runner's buffers follow them
         self.ranks = [Engine(model_cfg, params, engine_cfg, tokenizer, runner=_NOT_YET) for _ in range(self.num_ranks)]
         page_size = engine_cfg.parallel.kv_page_tokens(engine_cfg.block_size)
-        self.runner = DataParallelRunner(model_cfg, params, self.ranks[0].kv.pool.num_pages, page_size,
+        self.runner = DataParallelRunner(model_cfg, params, self.ranks[0].kv.num_pages, page_size,
                                          engine_cfg.numerics, engine_cfg.logprobs_mode, parallel=engine_cfg.parallel)
         from sharding.distributed import distributed_runner
 

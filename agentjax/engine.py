@@ -99,7 +99,7 @@ class Engine:
                                             branch_states=branch_states)
         self.kv = kv
         self.kv_layout = kv.layout
-        self.runner = runner or make_model_runner(model_cfg, params, kv.pool.num_pages, engine_cfg, drafting=drafting,
+        self.runner = runner or make_model_runner(model_cfg, params, kv.num_pages, engine_cfg, drafting=drafting,
                                                   kv_layout=self.kv_layout)
         self.offload, self.offload_worker = offload if offload is not None else (None, None)
         if offload is None and engine_cfg.kv_offload_enabled:  # host, disk and Mooncake tiers (agentjax.kv.offload)
@@ -399,8 +399,7 @@ class Engine:
             "kv_free_blocks": free,
             "kv_used_blocks": kv.get("used_blocks", total - free),
             "kv_cached_blocks": kv.get("cached_blocks", 0),
-            "kv_cached_blocks_by_group": [(g.group_id, g.group.spec.kind, len(self.kv.pool.cached[g.group_id]))
-                                          for g in self.kv.groups],
+            "kv_cached_blocks_by_group": self.kv.cached_blocks_by_group(),
             "kv_usage": kv.get("used_blocks", total - free) / total,
             "prefix_query_tokens": kv.get("queries", 0),
             "prefix_hit_tokens": kv.get("hits", 0),

@@ -26,7 +26,7 @@ def check_pool_fits(kv, prompt_tokens: int, max_tokens: int, max_model_len: int,
     """`OutOfPagesError` (cause "prompt" or "max_tokens") when `kv`'s whole pool could not hold a request of
     `prompt_tokens` plus `max_tokens` (capped at `max_model_len`); `chunk_tokens`: a step's token budget."""
     pool = kv.capacity_units  # pages, or for a pool of per-group page sizes the units it counts in
-    unit = "KV pages" if kv.pool.num_groups_share_ids else "KV page units"
+    unit = "KV pages" if kv.units_are_pages else "KV page units"
 
     def pages(tokens: int) -> int:
         return kv.max_pages_for(min(tokens, max_model_len), chunk_tokens)

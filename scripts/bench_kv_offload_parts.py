@@ -305,10 +305,7 @@ def bench_ttft(args, model) -> list[str]:
             if engine.offload_worker is not None:
                 engine.offload_worker.flush(engine.runner)
             if mode != "device (reference)":
-                pool = engine.kv.pool
-                for page in range(1, pool.num_pages):
-                    if pool.ref_counts[page] == 0:
-                        pool.evict(page)
+                engine.kv.evict_free_pages()
             elapsed = _ttft(engine, history + tok.encode(" Next, the agent"), sampling)
             if i:  # the first round compiles
                 times.append(elapsed)

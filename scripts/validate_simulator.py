@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(load average {_load()})", file=sys.stderr)
         target = SimTarget(shape, CPU.with_efficiency(scale_efficiency(efficiency, slowdown)), kernel="reference",
                            model_config=llm.model_config,
-                           engine=dataclasses.replace(engine_config, num_kv_blocks=engine.kv.pool.num_pages),
+                           engine=dataclasses.replace(engine_config, num_kv_blocks=engine.kv.num_pages),
                            precompiled=frozenset(runner.compiled_shapes))
         started = time.perf_counter()
         predicted = simulate_agentx(config, target, sessions)

@@ -56,7 +56,7 @@ def test_corrupt_and_truncated_disk_pages_are_recomputed_exactly(smollm2_invaria
                                                                  caplog):
     llm = smollm2_invariant
     engine = make_engine(llm.model_config, llm.params, llm.tokenizer, disk_cache_dir=str(tmp_path / "kv"))
-    hashes = engine.kv._prepare(conversation[0], None)[1]
+    hashes = engine.kv.prepare(conversation[0], None)[1]
 
     def damage(turn: int) -> None:
         if turn == 0:
@@ -288,7 +288,7 @@ def test_a_failed_disk_load_is_recomputed_at_once_and_the_queue_behind_it_runs(d
     engine, (inject, reason) = disk_engine, DISK_FAULTS[fault]
     prompt, behind = _case_prompts()
     _store_then_evict(engine, prompt, cold_tokens)
-    hashes = engine.kv._prepare(prompt, None)[1]
+    hashes = engine.kv.prepare(prompt, None)[1]
     inject(engine, hashes)
     failures = engine.offload.stats.get("load_failures", "disk", reason=reason)
     _run_faulted(engine, prompt, behind, cold_tokens, caplog)
@@ -302,7 +302,7 @@ def test_a_load_from_host_and_disk_keeps_the_host_pages_when_the_disk_files_are_
     engine = _tiny_engine(tiny_dense, pool, host_cache_gb=32 * 8192 / 2**30, disk_cache_dir=str(tmp_path / "kv"))
     prompt, behind = _case_prompts()
     _store_then_evict(engine, prompt, cold_tokens)
-    hashes = engine.kv._prepare(prompt, None)[1]
+    hashes = engine.kv.prepare(prompt, None)[1]
     for block_hash in hashes[5:10]:  # the host tier let the tail go (other traffic): it is on disk only
         engine.offload.host.drop((0, block_hash))
     assert engine.offload.lookup(prompt) == {"device": 0, "host": 5, "disk": 5, "mooncake": 0}

@@ -200,7 +200,7 @@ class PolicyReplay:
         req_id = f"r{index}"
         if not manager.allocate(req_id, tokens, salt):
             raise InvalidRequestError(f"request {index} needs {resident + 1} pages of an idle pool of "
-                                      f"{manager.pool.num_pages - 1}")
+                                      f"{manager.num_pages - 1}")
         hits = [manager.num_cached_tokens(req_id)]
         if self.states is not None:  # a hit lands on a saved state at or before the cached pages' end
             chained = manager.block_hashes(req_id)[:resident]
@@ -240,13 +240,12 @@ class PolicyReplay:
         """The pages that hold the prompt's blocks now. Past a missing block the manager recomputes
         into new pages even where an older copy is still cached (the new page stays uncached and is
         reused first); the policy is told about the older copy, which serves the next turn."""
-        pool = self.manager.pool
-        uncached = np.flatnonzero(pool.page_group[pages] < 0)
+        uncached = np.flatnonzero(~self.manager.holds_block(pages))
         if len(uncached) == 0:
             return pages
         self.result.duplicate_pages += len(uncached)
         hashes = block_hashes(tokens[:len(pages)], 1, salt)
-        index = pool.cached[0]
+        index = self.manager.cached_index(0)
         pages = pages.copy()
         for position in uncached.tolist():
             pages[position] = index.get(hashes[position], pages[position])

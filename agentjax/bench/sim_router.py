@@ -48,7 +48,7 @@ class EnginePrefixView:
     def cached_keys(self, page_keys: Sequence[bytes]) -> int:
         best = 0
         for kv in self.kvs:
-            index = kv.pool.cached[self.group.group_id]
+            index = kv.cached_index(self.group.group_id)
             count = 0
             for key in page_keys:
                 if key not in index:

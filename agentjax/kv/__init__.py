@@ -3,7 +3,8 @@
 Host only: never imports jax, so the scheduler, the router and benchmarks can use it without a device.
 """
 from agentjax.kv.block_pool import NULL_PAGE, BlockPool
-from agentjax.kv.eviction import EvictionOrder, LRUEvictionOrder, PinnedEvictionOrder
+from agentjax.kv.eviction import EvictionOrder, LRUEvictionOrder
+from agentjax.kv.pinned_order import PinnedEvictionOrder
 from agentjax.kv.events import BlockRemoved, BlockStored, KVEvent
 from agentjax.kv.hashing import block_hashes, hash_block_tokens, root_hash
 from agentjax.kv.layout import KVMemoryLayout, build_layout

@@ -14,7 +14,8 @@ import numpy as np
 
 from agentjax.errors import InvalidRequestError, OutOfPagesError
 from agentjax.kv.events import BlockRemoved, BlockStored, KVEvent
-from agentjax.kv.eviction import NULL_PAGE, EvictionOrder, PinnedEvictionOrder
+from agentjax.kv.eviction import NULL_PAGE, EvictionOrder
+from agentjax.kv.pinned_order import PinnedEvictionOrder
 from agentjax.kv.hashing import BlockHash
 
 __all__ = ["NULL_PAGE", "BlockPool"]

@@ -1,4 +1,4 @@
-"""The group-restricted path of the LRU and pinned eviction orders (agentjax/kv/eviction.py).
+"""The group-restricted path of the LRU and pinned eviction orders (agentjax/kv/eviction.py, pinned_order.py).
 
 A "pool" KV layout (agentjax/kv/slab_pool.py) gives each page group its own range of page ids and
 takes victims of one group at a time: `pop_in_range` takes the first live entries inside `[lo, hi)`
@@ -18,11 +18,11 @@ def pop_in_range(order, count: int, lo: int, hi: int, page_group: np.ndarray | N
     """`LRUEvictionOrder.pop_victims` (or `PinnedEvictionOrder`'s) restricted to pages in `[lo, hi)`;
     with `page_group` (the pool's: -1 where a page holds no block), to pages that hold nothing. Pinned
     free pages met on the way move to the pinned tier whatever their group."""
-    pins = bool(getattr(order, "_pins", None))
-    if pins:
+    table = getattr(order, "pins", None)
+    if table is not None:
         order._last_from_tier = None
-        order._expire(order.clock())
-        pins = bool(order._pins)
+        table.expire()
+    pins = table is not None and table.active
     taken: list[np.ndarray] = []
     need, position, keep_from = count, order._head, None
     while need > 0 and position < order._tail:
@@ -30,7 +30,7 @@ def pop_in_range(order, count: int, lo: int, hi: int, page_group: np.ndarray | N
         pages = order._queue_pages[position:end]
         stamps = order._queue_stamps[position:end]
         live = (order._ref_counts[pages] == 0) & (order._page_stamp[pages] == stamps)
-        pinned = live & (order._pin_count[pages] > 0) if pins else np.zeros(len(pages), dtype=bool)
+        pinned = live & (table.count[pages] > 0) if pins else np.zeros(len(pages), dtype=bool)
         eligible = live & ~pinned & (pages >= lo) & (pages < hi)
         if page_group is not None:
             eligible &= page_group[pages] < 0
@@ -53,9 +53,7 @@ def pop_in_range(order, count: int, lo: int, hi: int, page_group: np.ndarray | N
         while need > 0 and order._tier:
             entry = heapq.heappop(order._tier)
             _, stamp, page, sequence = entry
-            valid = (order._in_tier[page] and order._tier_sequence[page] == sequence and order._ref_counts[page] == 0
-                     and order._page_stamp[page] == stamp)
-            if not valid:
+            if not order._tier_entry_live(stamp, page, sequence):
                 continue
             if lo <= page < hi:
                 order._in_tier[page] = False
@@ -68,17 +66,10 @@ def pop_in_range(order, count: int, lo: int, hi: int, page_group: np.ndarray | N
     if need > 0:
         raise OutOfPagesError(f"eviction order holds {count - need} free pages in [{lo}, {hi}), {count} requested")
     if from_tier:
-        evicted = np.asarray(from_tier, dtype=np.int32)
-        order._generation[evicted] += 1
-        order._pin_count[evicted] = 0
-        order._pin_expiry[evicted] = 0.0
-        order.pinned_evictions += len(evicted)
-        taken.append(evicted)
-    victims = np.concatenate(taken) if len(taken) != 1 else taken[0]
-    if pins and from_tier:
-        order._last_from_tier = np.zeros(len(victims), dtype=bool)
-        order._last_from_tier[len(victims) - len(from_tier):] = True
-    order._last_victims = victims.astype(np.int32)
+        order._finish_victims(taken, from_tier)
+    else:
+        order._last_victims = np.concatenate(taken) if len(taken) != 1 else taken[0]
+    order._last_victims = order._last_victims.astype(np.int32)
     return order._last_victims
 
 

@@ -1,6 +1,6 @@
 """The hybrid KV cache manager: which pages hold a request's tokens, in every KV group, from one pool.
 
-Host only: never imports jax, never touches device memory. The engine drives it:
+Host only: never imports jax, never touches device memory. The scheduler drives it:
 
     m = KVCacheManager.from_model_config(cfg, num_blocks, block_size, enable_caching=True)
     hit = m.lookup(prompt)                     # tokens of the longest cached prefix (no side effects)
@@ -21,24 +21,14 @@ With `cache_on_allocate=True` (the default of the single-group `full_attention` 
 benchmarks) pages are offered to the cache as soon as they are allocated or appended, as if the
 device had already written them. `from_model_config` defaults to False: call `cache_blocks`.
 
-Transactional admission. From `allocate` until the request is committed, the manager keeps an undo
-record. A request is committed by its first successful `append`, a `cache_blocks` call with
-`num_computed_tokens > 0`, `block_ids` (the device may write its pages from then on),
-`take_pending_copies` while it has a checkpoint copy pending, or `free(..., pin_session=...)`; and,
-in `cache_on_allocate` mode only, by an allocation that already releases pages (a sliding window's
-or a state checkpoint's). `free` of an uncommitted request (an abort, or the caller's clean-up after
-a failed `append`) rolls the admission back: reused cached pages return to the eviction position
-they held (not the MRU end), pages taken from the free set return to their former positions with
-their former cached hashes (a `BlockRemoved` for what the admission cached, a `BlockStored` for
-what it evicted, so the event stream always matches what is hittable), and `queries`, `hits` and
-`evictions` drop what the admission added. With no other request in between, the pool, the
-eviction order and the stats equal those before `allocate`. Pages another request hit meanwhile
-stay with it (they are not rolled back), and a hash cached elsewhere meanwhile is not restored.
+Transactional admission: until a request is committed (its first `append`, `block_ids`, ...), `free`
+rolls its admission back exactly (agentjax/kv/admission_undo.py).
 
-Session and branch pins live in the eviction order (`PinnedEvictionOrder`, the default, or a KV
-policy through `agentjax.kv.policy_order.PolicyEvictionOrder`, as the engine builds it): pinned
-free pages are evicted after every unpinned free page, earliest expiry first; they count as free.
-`clock` (default `time.monotonic`) times the pins' `ttl_s`; tests inject their own.
+Session and branch pins live in the pool's eviction order, in its pin table (agentjax/kv/pins.py):
+pinned free pages are evicted after every unpinned free page, earliest expiry first; they count as
+free. `clock` (default `time.monotonic`) times the pins' `ttl_s`; tests inject their own. The offload
+connector and the engine read the manager through its public lookups and capacity reads
+(agentjax/kv/manager_lookup.py, manager_reads.py); only the scheduler drives the request lifecycle.
 """
 from __future__ import annotations
 
@@ -48,10 +38,14 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 
 from agentjax.errors import InvalidRequestError
+from agentjax.kv.admission_undo import roll_back
 from agentjax.kv.block_pool import BlockPool
-from agentjax.kv.eviction import EvictionOrder, PinnedEvictionOrder
+from agentjax.kv.eviction import EvictionOrder
+from agentjax.kv.pinned_order import PinnedEvictionOrder
 from agentjax.kv.groups import CheckpointGroup, GroupManager, make_group_manager
-from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, root_hash, tokens_as_uint32
+from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, tokens_as_uint32
+from agentjax.kv.manager_lookup import PrefixLookupMixin, flat_pages
+from agentjax.kv.manager_reads import CapacityReadsMixin
 from agentjax.kv.manager_states import RecurrentStateMixin
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
 from agentjax.kv.slab_pool import SlabPool
@@ -60,7 +54,7 @@ from agentjax.kv.state_saves import cache_saves
 from agentjax.kv.turn_ends import TurnEnds, branch_point, save_branch_state, takes_turn_ends
 
 
-class KVCacheManager(RecurrentStateMixin):
+class KVCacheManager(PrefixLookupMixin, CapacityReadsMixin, RecurrentStateMixin):
     """Pages for many requests across KV groups; see the module docstring for the call sequence."""
 
     def __init__(self, plan: KVGroupPlan, num_blocks: int, enable_caching: bool = True,
@@ -151,95 +145,6 @@ class KVCacheManager(RecurrentStateMixin):
         manager.layout = layout
         return manager
 
-    # -- prefix lookup ---------------------------------------------------------------------------
-    def _root(self, cache_salt: str | None) -> BlockHash:
-        root = self._roots.get(cache_salt)
-        if root is None:
-            root = self._roots[cache_salt] = root_hash(cache_salt)
-        return root
-
-    def _prepare(self, token_ids, cache_salt: str | None):
-        """(tokens, hashes, hit, per-group (reused pages, table start)) for a prompt, memoised for
-        the same token list (the same object, or an equal list: the offload connector's check and the
-        admission each build theirs): until the pool changes all four (lookup then allocate costs one
-        pass), after that the tokens and hashes, which depend on the tokens alone (an admission tried
-        again once pages are free only finds its hit again). A list is taken as unchanged while it is the
-        same object of the same length: edit a copy, not a list already passed in."""
-        last = self._last_prepared
-        if last is not None and last[1] == len(token_ids) and last[2] == cache_salt and (
-                last[0] is token_ids or type(token_ids) is list and type(last[0]) is list and last[0] == token_ids):
-            if last[3] == self.pool.version:
-                prepared = last[4]
-            else:
-                tokens, hashes = last[4][:2]
-                prepared = (tokens, hashes, *self._hit(tokens, hashes, cache_salt))
-            self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
-            return prepared
-        tokens = tokens_as_uint32(token_ids)
-        if len(tokens) == 0:
-            raise InvalidRequestError("token_ids is empty; a request needs at least one token")
-        hashes = self._memo.hashes(tokens, self._root(cache_salt)) if self.enable_caching else []
-        prepared = (tokens, hashes, *self._hit(tokens, hashes, cache_salt))
-        self._last_prepared = (token_ids, len(token_ids), cache_salt, self.pool.version, prepared)
-        return prepared
-
-    def _find_hit_or_none(self, hashes: list[BlockHash], num_tokens: int) -> tuple[int, list]:
-        """`_find_hit`, or no hit at all when prefix caching is off."""
-        if not self.enable_caching:
-            return 0, [([], 0)] * len(self.groups)
-        return self._find_hit(hashes, num_tokens)
-
-    def _find_hit(self, hashes: list[BlockHash], num_tokens: int,
-                  groups: Sequence[GroupManager] | None = None) -> tuple[int, list]:
-        """The fixed point: each group may only shrink the hit until all of them accept it. `groups`
-        (default: this manager's) may read another index, e.g. the offload tiers' union with the pool's."""
-        if groups is None:
-            groups, hit_order = self.groups, self._hit_order
-        else:
-            hit_order = sorted(groups, key=lambda g: g.group.spec.hit_rule != "prefix")
-        keys = {g.group_id: g.page_keys(hashes) for g in groups}
-        cap = hit = num_tokens - 1
-        accepted: dict[int, int] = {}
-        while hit > 0 and len(accepted) < len(groups):
-            for group in hit_order:
-                if accepted.get(group.group_id) == hit:
-                    continue
-                found = group.find_hit(keys[group.group_id], hit, cap)
-                if found != hit:
-                    accepted.clear()
-                    hit = found
-                    if hit == 0:
-                        break
-                accepted[group.group_id] = hit
-        hit = max(hit, 0)
-        return hit, [g.reused_pages(keys[g.group_id], hit) for g in groups]
-
-    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """Tokens of the longest cached prefix that every group can serve; never the last token."""
-        self.lookups += 1
-        return self._prepare(token_ids, cache_salt)[2]
-
-    def _reserved_tokens(self, group: GroupManager, num_tokens: int, num_reserved_tokens: int | None) -> int:
-        """Tokens a group's table covers at admission: window groups only up to `num_reserved_tokens`
-        (the first chunk; `reserve` grows them step by step), every other group the whole prompt."""
-        if num_reserved_tokens is None or group.group.spec.hit_rule != "window":
-            return num_tokens
-        return min(num_tokens, num_reserved_tokens)
-
-    def _new_pages(self, reuse: list, num_tokens: int, num_reserved_tokens: int | None = None) -> list[int]:
-        """Pages an admission takes from the free set beyond the hit's (`reuse`), per group."""
-        return [g.num_new_pages(start, len(pages), self._reserved_tokens(g, num_tokens, num_reserved_tokens))
-                for g, (pages, start) in zip(self.groups, reuse)]
-
-    def can_allocate(self, token_ids: Sequence[int], cache_salt: str | None = None,
-                     num_reserved_tokens: int | None = None) -> bool:
-        """Whether `allocate` would succeed now (no side effects)."""
-        _, _, _, reuse = self._prepare(token_ids, cache_salt)
-        new = self._new_pages(reuse, len(token_ids), num_reserved_tokens)
-        if self.pool.num_groups_share_ids:
-            return sum(new) + self.pool.count_free_among(_flat_pages(reuse)) <= self.pool.num_free
-        return self.pool.can_take(dict(enumerate(new)), touched=_flat_pages(reuse))
-
     # -- request lifecycle -----------------------------------------------------------------------
     def allocate(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
                  num_reserved_tokens: int | None = None) -> bool:
@@ -251,9 +156,9 @@ class KVCacheManager(RecurrentStateMixin):
         """
         if req_id in self._requests:
             raise InvalidRequestError(f"request {req_id!r} already holds pages; free it first")
-        tokens, hashes, hit, reuse = self._prepare(token_ids, cache_salt)
+        tokens, hashes, hit, reuse = self.prepare(token_ids, cache_salt)
         pool = self.pool
-        reused = _flat_pages(reuse)
+        reused = flat_pages(reuse)
         was_free = reused[pool.ref_counts[reused] == 0] if len(reused) else reused  # a hit takes them out
         new = self._new_pages(reuse, len(tokens), num_reserved_tokens)
         if pool.num_groups_share_ids:
@@ -427,125 +332,19 @@ class KVCacheManager(RecurrentStateMixin):
             request.undo = None
         del self._requests[req_id]
         if request.undo is not None:
-            self._roll_back(request, request.undo)
+            roll_back(self, request, request.undo)
             return
-        order = self._release_order(request)
+        order = self.release_order(request)
         self.pool.release(np.asarray(order, dtype=np.int64))
         if self.enable_caching and request.hashes:
             self._memo.remember(request.hashes[0], request.tokens.view(), request.hashes)
 
-    def _release_order(self, request: RequestKV) -> list[int]:
+    def release_order(self, request: RequestKV) -> list[int]:
         """Every group's pages of the request, each group's tail first (the order they should be evicted)."""
         order: list[int] = []
         for group, table in zip(self.groups, request.tables):
             order += group.release_order(table)
         return order
-
-    def _roll_back(self, request: RequestKV, undo: AdmissionUndo) -> None:
-        """Undo an uncommitted admission: the pool, the eviction order and the counters return to
-        where they were before `allocate` (other requests' changes since then stay)."""
-        pool = self.pool
-        # Still pending (take_pending_copies would have committed the request). Its own entries are the
-        # latest equal ones: an earlier save may read or write the same pages.
-        for copy in reversed(undo.copies):
-            _remove_last(self._pending_copies, copy)
-        for source in reversed(undo.copy_sources):
-            _remove_last(self._pending_copy_sources, source)
-        self._uncommitted_with_copies.discard(request.req_id)
-        order = self._release_order(request)
-        pool.release(np.asarray(order + undo.copy_sources, dtype=np.int64))
-        if undo.new_pages:
-            new_pages = np.concatenate(undo.new_pages) if len(undo.new_pages) > 1 else undo.new_pages[0]
-            new_positions = np.concatenate(undo.new_positions) if len(undo.new_positions) > 1 else undo.new_positions[0]
-            free_now = new_pages[pool.ref_counts[new_pages] == 0]  # not hit by another request meanwhile
-            for page in free_now.tolist():
-                pool.uncache(page)
-            if undo.evicted:
-                free_set = set(free_now.tolist())
-                for pages, hashes, groups, parents, tokens in undo.evicted:
-                    for i, page in enumerate(pages):
-                        if page in free_set:
-                            pool.restore_cached(page, groups[i], hashes[i], parents[i], tokens[i] if tokens else ())
-            pool.restore_free(new_pages, new_positions)
-        if undo.slab_moves:
-            pool.undo_moves(undo.slab_moves)
-        pool.restore_free(undo.reused_pages, undo.reused_positions)
-        self.queries -= undo.num_tokens
-        self.hits -= undo.num_hit
-        if undo.group_hits:
-            self.group_hits = [total - mine for total, mine in zip(self.group_hits, undo.group_hits)]
-        self.turn_end_hits -= undo.turn_end_hit
-        self.rollbacks += 1
-
-    # -- session and branch pins -----------------------------------------------------------------
-    def _pins(self) -> PinnedEvictionOrder:
-        order = self.pool.eviction_order
-        if not hasattr(order, "pin"):
-            raise InvalidRequestError(
-                f"the eviction order {type(order).__name__} has no pins; use PinnedEvictionOrder (the default)")
-        return order
-
-    def _expiry(self, ttl_s: float | None, expires_at: float | None, now: float | None) -> float | None:
-        if ttl_s is not None and expires_at is not None:
-            raise InvalidRequestError("pass ttl_s or expires_at, not both")
-        if ttl_s is None:
-            return expires_at
-        if not ttl_s >= 0:
-            raise InvalidRequestError(f"ttl_s must be >= 0 seconds, got {ttl_s}")
-        return (self.clock() if now is None else now) + ttl_s
-
-    def _serving_pages(self, hashes: list[BlockHash], num_tokens: int) -> list[int]:
-        """Cached pages, in every group, that a later prompt extending these tokens would reuse."""
-        return self._serving_pages_at(hashes, num_tokens)[0]
-
-    def _serving_pages_at(self, hashes: list[BlockHash], num_tokens: int) -> tuple[list[int], list[int]]:
-        """`_serving_pages` and each page's index in its group's page table."""
-        if not self.enable_caching or not hashes:
-            return [], []
-        _, reuse = self._find_hit(hashes, num_tokens + 1)
-        pages = [page for group_pages, _ in reuse for page in group_pages]
-        positions = [start + i for group_pages, start in reuse for i in range(len(group_pages))]
-        return pages, positions
-
-    def serving_pages(self, req_id: str) -> tuple[list[int], list[int]]:
-        """The cached pages that serve `req_id`'s computed prefix, in every group (what a session's next
-        turn would reuse), and each page's index in its group's table (a KV policy's turn end)."""
-        request = self._request(req_id)
-        return self._serving_pages_at(request.hashes, len(request.hashes) * self.block_size)
-
-    def block_hashes(self, req_id: str) -> list[BlockHash]:
-        """The chained hashes of `req_id`'s full blocks so far (the keys the offload tiers store under)."""
-        return self._request(req_id).hashes
-
-    def pin(self, key: Hashable, pages: Sequence[int], expires_at: float | None = None) -> int:
-        """Pin page ids under `key` until `expires_at` on `clock` (None: until `unpin(key)`),
-        replacing `key`'s previous set; returns how many pages it pins."""
-        return self._pins().pin(key, np.asarray(pages, dtype=np.int64), expires_at)
-
-    def pin_request(self, key: Hashable, req_id: str, ttl_s: float | None = None,
-                    expires_at: float | None = None, now: float | None = None) -> int:
-        """Pin the cached pages that serve `req_id`'s computed prefix (a session between turns)."""
-        request = self._request(req_id)
-        expiry = self._expiry(ttl_s, expires_at, now)
-        pages = self._serving_pages(request.hashes, len(request.hashes) * self.block_size)
-        return self._pins().pin(key, np.asarray(pages, dtype=np.int64), expiry)
-
-    def pin_prefix(self, key: Hashable, token_ids: Sequence[int], ttl_s: float | None = None,
-                   expires_at: float | None = None, now: float | None = None, cache_salt: str | None = None) -> int:
-        """Pin the cached pages of the longest cached prefix of `token_ids` (a subagent fork point)."""
-        expiry = self._expiry(ttl_s, expires_at, now)
-        tokens = tokens_as_uint32(token_ids)
-        if len(tokens) == 0:
-            raise InvalidRequestError("token_ids is empty; nothing to pin")
-        hashes = self._memo.hashes(tokens, self._root(cache_salt), remember=False) if self.enable_caching else []
-        pages = self._serving_pages(hashes, len(tokens))
-        return self._pins().pin(key, np.asarray(pages, dtype=np.int64), expiry)
-
-    def unpin(self, key: Hashable) -> int:
-        """Release `key`'s pin now (a session_end hint, or the children of a fork are done)."""
-        return self._pins().unpin(key)
-
-    unpin_session = unpin
 
     # -- what the engine reads -------------------------------------------------------------------
     def _request(self, req_id: str) -> RequestKV:
@@ -579,95 +378,3 @@ class KVCacheManager(RecurrentStateMixin):
             self.pool.release(np.asarray([source], dtype=np.int64))
         self._pending_copy_sources = []
         return copies
-
-    def max_pages_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        """The most pages one request of `num_tokens` tokens can hold at once over all groups (window
-        groups hold the window plus one chunk; a state group its running page), in the pool's units (a
-        slab pool's: whole slabs per group, as a request alone takes them)."""
-        total = 0
-        for group in self.groups:
-            rule, size = group.group.spec.hit_rule, group.tokens_per_page
-            if rule == "checkpoint":
-                pages = 1
-            elif rule == "window":
-                pages = min(-(-num_tokens // size), -(-(group.window + max_chunk_tokens) // size) + 1)
-            else:
-                pages = -(-num_tokens // size)
-            per_slab = getattr(self.pool, "pages_per_slab", None)
-            if per_slab is None:
-                total += pages
-            else:
-                total += -(-pages // int(per_slab[group.group_id])) * self.pool.units_per_slab
-        return total
-
-    def units_per_page(self, group: int) -> int:
-        """A page of `group` in the pool's capacity units (1 unless pages differ in size by group)."""
-        units = getattr(self.pool, "units_per_page", None)
-        return 1 if units is None else int(units[group])
-
-    def new_units(self, num_tokens: int, hit: int) -> int:
-        """Units the prefix pages of a prompt of `num_tokens` tokens with a hit of `hit` tokens take
-        (the scheduler's watermark estimate)."""
-        if self.pool.num_groups_share_ids:
-            return -(-num_tokens // self.block_size) - hit // self.block_size
-        return sum((-(-num_tokens // g.tokens_per_page) - hit // g.tokens_per_page) * self.units_per_page(g.group_id)
-                   for g in self.groups if g.group.spec.hit_rule == "prefix")
-
-    @property
-    def capacity_units(self) -> int:
-        """What the pool can hold, in units (pages for a one-size pool)."""
-        return self.pool.capacity_units()
-
-    def take_events(self):
-        return self.pool.take_events()
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free capacity in the pool's units (pages for a one-size pool)."""
-        return self.pool.free_units()
-
-    def stats(self) -> dict:
-        pool = self.pool
-        pinned, pinned_free = pool.eviction_order.num_pinned() if hasattr(pool.eviction_order, "num_pinned") else (0, 0)
-        capacity, free = pool.capacity_units(), pool.free_units()
-        return {
-            "num_blocks": capacity + 1, "free_blocks": free, "cached_blocks": pool.num_cached,
-            "used_blocks": capacity - free, "queries": self.queries, "hits": self.hits,
-            "hit_rate": self.hits / self.queries if self.queries else 0.0, "lookups": self.lookups,
-            "evictions": pool.evictions, "running_requests": len(self._requests),
-            "blocks_hashed": self._memo.blocks_hashed, "blocks_hash_reused": self._memo.blocks_reused,
-            "rollbacks": self.rollbacks, "pinned_blocks": pinned, "pinned_free_blocks": pinned_free,
-            "pinned_evictions": getattr(pool.eviction_order, "pinned_evictions", 0),
-            "group_hits": list(self.group_hits), "turn_end_hits": self.turn_end_hits,
-            "turn_ends_saved": self.turn_ends.saved if self.turn_ends is not None else 0,
-            "branch_states_saved": self.branch_states_saved,
-        }
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if page ownership and reference counts disagree (tests call this)."""
-        self.pool.check_invariants()
-        owners = np.zeros(self.pool.num_pages, dtype=np.int64)
-        for request in self._requests.values():
-            for table in request.tables:
-                held = [p for p in table.pages if p != 0]
-                assert len(held) == len(set(held)), f"{request.req_id} holds a page twice"
-                np.add.at(owners, np.asarray(held, dtype=np.int64), 1)
-        np.add.at(owners, np.asarray(self._pending_copy_sources, dtype=np.int64), 1)
-        owners += self.pool.map_held()
-        owners[0] = self.pool.ref_counts[0]
-        mismatch = np.flatnonzero(owners != self.pool.ref_counts)
-        assert mismatch.size == 0, f"ref counts differ from owners at pages {mismatch[:8].tolist()}"
-
-
-def _flat_pages(reuse: list) -> np.ndarray:
-    """The pages of every group's (pages, start) in one int64 array (converted in C, not page by page),
-    and the partial pages a turn-end hit copies."""
-    tails = [page for _, page in getattr(reuse, "tails", ())]
-    if len(reuse) == 1 and not tails:
-        return np.asarray(reuse[0][0], dtype=np.int64)
-    return np.concatenate([np.asarray(pages, dtype=np.int64) for pages, _ in reuse] + [np.asarray(tails, np.int64)])
-
-
-def _remove_last(items: list, value) -> None:
-    """Delete the last element equal to `value`."""
-    del items[len(items) - 1 - items[::-1].index(value)]

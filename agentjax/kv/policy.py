@@ -11,8 +11,6 @@ Host only: never imports jax, never reads or writes page contents.
 """
 from __future__ import annotations
 
-import heapq
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -22,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from agentjax.errors import InvalidRequestError
-from agentjax.kv.eviction import distinct_pages
+from agentjax.kv.pins import PinTable
 
 __all__ = ["KVPolicy", "TurnEnd", "PagePolicy", "NO_SESSION"]
 
@@ -104,14 +102,6 @@ class KVPolicy(Protocol):
         ...
 
 
-@dataclass
-class _Pin:
-    pages: np.ndarray
-    generations: np.ndarray  # content generation when pinned: an eviction ends the pin for that page
-    expires_at: float
-    pin_id: int
-
-
 class PagePolicy:
     """Base policy: per-page and per-session state, pins, and `evict_order` from `priority`.
 
@@ -140,10 +130,7 @@ class PagePolicy:
         self.session_ended = np.zeros(0, dtype=bool)
         self.session_parent = np.zeros(0, dtype=np.int32)
         self.session_turns = np.zeros(0, dtype=np.int64)  # turns the session has ended so far
-        self._pins: dict[Hashable, _Pin] = {}
-        self._deadlines: list[tuple[float, int, Hashable]] = []
-        self._next_pin_id = 0
-        self.pinned_evictions = 0
+        self.pins = PinTable(clock)  # the KV cache's one pin table (agentjax/kv/pins.py)
         self.bind(0)
 
     # -- state -----------------------------------------------------------------------------------
@@ -156,10 +143,25 @@ class PagePolicy:
         self.uses = np.zeros(num_pages, dtype=np.int32)  # turns that used the content
         self.page_turn = np.zeros(num_pages, dtype=np.int64)  # the owner's turn number that last used it
         self.page_branch = np.zeros(num_pages, dtype=bool)  # part of a branch point's prompt
-        self.generation = np.zeros(num_pages, dtype=np.int64)
-        self.pin_count = np.zeros(num_pages, dtype=np.int32)
-        self.pin_expiry = np.zeros(num_pages, dtype=np.float64)
+        self.pins.bind(num_pages)
         self._next_stamp = 1
+
+    # Per-page pin state, kept by the pin table (`generation` is also part of `page_state`).
+    @property
+    def generation(self) -> np.ndarray:
+        return self.pins.generation
+
+    @property
+    def pin_count(self) -> np.ndarray:
+        return self.pins.count
+
+    @property
+    def pin_expiry(self) -> np.ndarray:
+        return self.pins.expiry
+
+    @property
+    def pinned_evictions(self) -> int:
+        return self.pins.pinned_evictions
 
     def session(self, session_id: Hashable, parent_id: Hashable | None = None) -> int:
         """The index of a session in the per-session arrays (created on first sight)."""
@@ -222,7 +224,7 @@ class PagePolicy:
             array = getattr(self, name)
             array[pages] = state[:, column].astype(array.dtype)
         if changed.any():  # an undone eviction: the pins that held those pages hold again
-            self._recompute_pins(pages[changed])
+            self.pins.recompute(pages[changed])
 
     # -- what the adapter reports ------------------------------------------------------------------
     def on_free(self, pages: np.ndarray) -> None:
@@ -231,11 +233,7 @@ class PagePolicy:
         self._next_stamp += count
 
     def on_evict(self, pages: np.ndarray) -> None:
-        pinned = pages[self.pin_count[pages] > 0]
-        self.pinned_evictions += len(pinned)
-        self.pin_count[pages] = 0
-        self.pin_expiry[pages] = 0.0
-        self.generation[pages] += 1
+        self.pins.evicted(pages)
         self.owner[pages] = NO_SESSION
         self.owner2[pages] = NO_SESSION
         self.position[pages] = -1
@@ -302,16 +300,17 @@ class PagePolicy:
         if count <= 0:
             return np.zeros(0, dtype=np.int64)
         now = self.clock()
-        if self._pins:
-            self._expire(now)
-        pinned = self.pin_count[candidates] > 0 if self._pins else None
+        pins = self.pins
+        if pins.active:
+            pins.expire(now)
+        pinned = pins.count[candidates] > 0 if pins.active else None
         if pinned is None or not pinned.any():
             return self._lowest(candidates, count, now)
         unpinned = candidates[~pinned]
         if count <= len(unpinned):
             return self._lowest(unpinned, count, now)
         held = candidates[pinned]
-        order = np.lexsort((self.recency[held], self.pin_expiry[held]))[:count - len(unpinned)]
+        order = np.lexsort((self.recency[held], pins.expiry[held]))[:count - len(unpinned)]
         return np.concatenate([self._lowest(unpinned, len(unpinned), now), held[order]])
 
     def _lowest(self, pages: np.ndarray, count: int, now: float) -> np.ndarray:
@@ -337,68 +336,17 @@ class PagePolicy:
         order = np.lexsort((keys[2][picked], keys[1][picked], keys[0][picked]))
         return pages[picked[order]]
 
-    # -- pins --------------------------------------------------------------------------------------
+    # -- pins (the pin table's) -------------------------------------------------------------------
     def pin(self, key: Hashable, pages, expires_at: float | None = None) -> int:
         """Pin the distinct non-null `pages` under `key`, replacing its set; returns how many."""
-        if key in self._pins:
-            self.unpin(key)
-        expiry = math.inf if expires_at is None else float(expires_at)
-        if math.isnan(expiry):
-            raise InvalidRequestError("expires_at is NaN; pass a clock time or None (until unpinned)")
-        pages = distinct_pages(pages)
-        if len(pages) and not (0 < pages[0] and pages[-1] < self.num_pages):
-            raise InvalidRequestError(f"pinned pages must lie in [1, {self.num_pages}), got "
-                                      f"[{pages[0]}, {pages[-1]}]")
-        if expiry <= self.clock():
-            return 0
-        self._pins[key] = _Pin(pages, self.generation[pages].copy(), expiry, self._next_pin_id)
-        if expires_at is not None:
-            heapq.heappush(self._deadlines, (expiry, self._next_pin_id, key))
-        self._next_pin_id += 1
-        self.pin_count[pages] += 1
-        self.pin_expiry[pages] = np.maximum(self.pin_expiry[pages], expiry)
-        return len(pages)
+        return self.pins.pin(key, pages, expires_at)
 
     def unpin(self, key: Hashable) -> int:
         """Release `key`'s pin now; returns how many pages it still protected (0 if none)."""
-        pin = self._pins.pop(key, None)
-        if pin is None:
-            return 0
-        pages = pin.pages[self.generation[pin.pages] == pin.generations]
-        self.pin_count[pages] -= 1
-        held = self.pin_count[pages] > 0
-        self.pin_expiry[pages[~held]] = 0.0
-        if held.any():  # pages another pin holds too: their expiry is the latest of the pins left
-            self._recompute_pins(pages[held])
-        return len(pages)
+        return self.pins.unpin(key)
 
     def num_pinned(self) -> int:
-        self._expire(self.clock())
-        return int(np.count_nonzero(self.pin_count > 0))
-
-    def _recompute_pins(self, pages: np.ndarray) -> None:
-        self.pin_count[pages] = 0
-        self.pin_expiry[pages] = 0.0
-        if not self._pins or not len(pages):
-            return
-        wanted = np.zeros(self.num_pages, dtype=bool)
-        wanted[pages] = True
-        for pin in self._pins.values():
-            member = wanted[pin.pages]
-            if not member.any():
-                continue
-            member &= self.generation[pin.pages] == pin.generations
-            if member.any():
-                chosen = pin.pages[member]
-                self.pin_count[chosen] += 1
-                self.pin_expiry[chosen] = np.maximum(self.pin_expiry[chosen], pin.expires_at)
-
-    def _expire(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, pin_id, key = heapq.heappop(self._deadlines)
-            pin = self._pins.get(key)
-            if pin is not None and pin.pin_id == pin_id:
-                self.unpin(key)
+        return self.pins.num_pinned()[0]
 
 
 def _grown(array: np.ndarray, size: int, fill) -> np.ndarray:

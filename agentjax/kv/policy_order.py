@@ -99,8 +99,7 @@ class PolicyEvictionOrder:
         self.policy.on_evict(np.asarray(pages, dtype=np.int64))
 
     def pinned_mask(self, pages: np.ndarray) -> np.ndarray:
-        self.policy._expire(self.clock())
-        return self.policy.pin_count[pages] > 0
+        return self.policy.pins.pinned_mask(pages)
 
     # -- undo (a rolled-back admission) ------------------------------------------------------------
     def positions(self, pages: np.ndarray) -> np.ndarray:
@@ -121,9 +120,12 @@ class PolicyEvictionOrder:
         return self.policy.unpin(key)
 
     def num_pinned(self) -> tuple[int, int]:
-        self.policy._expire(self.clock())
-        pinned = self.policy.pin_count > 0
-        return int(np.count_nonzero(pinned)), int(np.count_nonzero(pinned & (self._ref_counts == 0)))
+        return self.policy.pins.num_pinned(self._ref_counts == 0)
+
+    @property
+    def pins(self):
+        """The policy's pin table (agentjax/kv/pins.py)."""
+        return self.policy.pins
 
     @property
     def pinned_evictions(self) -> int:

@@ -25,7 +25,7 @@ def group_memory(manager) -> list[dict]:
         reserved = owned * layout.slab_bytes
     else:
         held = np.zeros(len(layout.groups), dtype=np.int64)
-        for request in manager._requests.values():
+        for request in manager.running_requests():
             for group, table in enumerate(request.tables):
                 held[group] += sum(1 for page in table.pages if page != NULL_PAGE)
         free_cached = pool.page_group[(pool.ref_counts == 0) & (pool.page_group >= 0)]

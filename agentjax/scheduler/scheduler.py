@@ -86,7 +86,7 @@ class Scheduler:
         self.offload = offload
         # Session turn ends go to the KV policy behind the pool's eviction order (the engine's kv_policy);
         # the block hashes it keeps for prefetch are only of use to an offload tier.
-        self.sessions = SessionTable(kv, getattr(kv.pool.eviction_order, "policy", None),
+        self.sessions = SessionTable(kv, kv.kv_policy,
                                      keep_block_hashes=offload is not None)
         # Recurrent states are saved at these token boundaries: prefill chunks end on them.
         self.checkpoint_tokens = min((g.tokens_per_page for g in kv.plan.groups if g.spec.hit_rule == "checkpoint"),

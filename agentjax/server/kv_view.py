@@ -92,12 +92,12 @@ def attach_kv_event_log(async_engine: Any) -> KVEventLog | None:
     them; None for an engine without a prefix cache (a test fake). The routing group is the first
     full-attention group, else group 0."""
     kv = getattr(async_engine.engine, "kv", None)
-    pool = getattr(kv, "pool", None)
-    if kv is None or pool is None or not getattr(kv, "enable_caching", False) or not getattr(kv, "groups", None):
+    if kv is None or not hasattr(kv, "enable_events") or not getattr(kv, "enable_caching", False) or \
+            not getattr(kv, "groups", None):
         return None
     chosen = next((g for g in kv.groups if g.group.spec.hit_rule == "prefix"), kv.groups[0])
     log = KVEventLog(chosen.group.group_id, kv.block_size, chosen.hashes_per_page, chosen.group.spec.hit_rule)
-    pool.enable_events = True
+    kv.enable_events()
     async_engine.kv_event_sink = (kv.take_events, log.apply)
     return log
 

@@ -185,7 +185,7 @@ def _whole_context_pages(kv, prefix) -> int:
     holds when the other groups take none)."""
     layout = getattr(kv, "layout", None)
     if layout is None or layout.mode != "pool" or prefix is None:
-        return kv.pool.num_pages - 1
+        return kv.num_pages - 1
     return (layout.num_slabs - 1) * layout.groups[prefix.group_id].pages_per_slab
 
 

@@ -74,7 +74,7 @@ def test_a_prompt_looked_up_again_after_the_pool_changed_finds_its_new_hit_witho
     assert m.lookup(prompt) == 16
     hashing = lambda: (m.stats()["blocks_hashed"], m.stats()["blocks_hash_reused"])  # noqa: E731
     before = hashing()
-    third = m.pool.cached_page(0, m._prepare(prompt, None)[1][2])
+    third = m.pool.cached_page(0, m.prepare(prompt, None)[1][2])
     assert m.pool.evict(third)  # the pool changed: the hit must be found again
     assert m.lookup(prompt) == 8 and m.lookup(list(prompt)) == 8
     assert hashing() == before  # the same tokens: their hashes are not looked for again

@@ -86,7 +86,7 @@ def test_random_admit_fail_free_cycles_match_a_manager_that_never_saw_them():
         if m.allocate(f"r{step}", prompt) and not m.append(f"r{step}", [7] * output):
             m.free(f"r{step}")  # the harness's failed admission: must leave no trace
             continue
-        if f"r{step}" in m._requests:
+        if f"r{step}" in {r.req_id for r in m.running_requests()}:
             m.free(f"r{step}")
             assert twin.allocate(f"r{step}", prompt) and twin.append(f"r{step}", [7] * output)
             twin.free(f"r{step}")

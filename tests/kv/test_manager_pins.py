@@ -1,4 +1,4 @@
-"""Tests of session and branch pins (PinnedEvictionOrder in agentjax/kv/eviction.py, driven through
+"""Tests of session and branch pins (PinnedEvictionOrder in agentjax/kv/pinned_order.py, over agentjax/kv/pins.py, driven through
 agentjax/kv/manager.py): pinned free pages go after every unpinned one, expire, and are released."""
 import numpy as np
 import pytest

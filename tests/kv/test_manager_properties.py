@@ -192,7 +192,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert stats["free_blocks"] + stats["used_blocks"] == pool.num_pages - 1
         order = pool.eviction_order.live_pages_in_order()  # every free page exactly once, pinned last
         assert sorted(order.tolist()) == np.flatnonzero(pool.ref_counts == 0).tolist()
-        pinned = pool.eviction_order._pin_count[order] > 0
+        pinned = pool.eviction_order.pins.count[order] > 0
         assert not (pinned[:-1] & ~pinned[1:]).any()
         for req_id, tokens in self.tokens.items():
             assert self.m.num_tokens(req_id) == len(tokens)

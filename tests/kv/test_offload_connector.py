@@ -57,7 +57,7 @@ def test_a_finished_turn_stores_its_cached_pages_to_every_tier(full):
     stores = connector.take_transfers().stores
     assert len(stores) == 1
     job = stores[0]
-    assert job.keys == kv._prepare(list(range(100, 118)), None)[1][:4]  # the pages in prompt order
+    assert job.keys == kv.prepare(list(range(100, 118)), None)[1][:4]  # the pages in prompt order
     assert len(job.tier_rows("host")) == 4 and job.disk_rows == [0, 1, 2, 3] and job.mooncake_rows == []
     assert sorted(job.host_slots) == [1, 2, 3, 4]  # slot 0 is never handed out
 
@@ -69,7 +69,7 @@ def test_lookup_counts_the_longest_prefix_per_tier(full):
     _evict_everything(kv)
     follow_up = list(range(100, 118)) + [7] * 6
     assert connector.lookup(follow_up) == {"device": 0, "host": 4, "disk": 0, "mooncake": 0}
-    connector.host.drop((0, kv._prepare(follow_up, None)[1][2]))  # the third page leaves the host tier
+    connector.host.drop((0, kv.prepare(follow_up, None)[1][2]))  # the third page leaves the host tier
     assert connector.lookup(follow_up) == {"device": 0, "host": 2, "disk": 0, "mooncake": 0}
 
 
@@ -79,7 +79,7 @@ def test_lookup_counts_device_pages_when_no_tier_extends_the_hit(full):
     connector.take_transfers()
     follow_up = list(range(100, 118)) + [7] * 6
     assert connector.lookup(follow_up) == {"device": 4, "host": 0, "disk": 0, "mooncake": 0}
-    kv.pool.evict(kv.pool.cached_page(0, kv._prepare(follow_up, None)[1][3]))  # the device loses its last page
+    kv.pool.evict(kv.pool.cached_page(0, kv.prepare(follow_up, None)[1][3]))  # the device loses its last page
     assert connector.lookup(follow_up) == {"device": 3, "host": 1, "disk": 0, "mooncake": 0}
 
 
@@ -112,7 +112,7 @@ def test_a_page_that_failed_to_load_stays_uncached_and_the_hit_stops_before_it(f
     connector.take_transfers()
     _evict_everything(kv)
     follow = _request("b", list(range(100, 118)) + [7] * 6)
-    hashes = kv._prepare(follow.all_token_ids, None)[1]
+    hashes = kv.prepare(follow.all_token_ids, None)[1]
     assert connector.hold(follow)
     _complete(connector, failed=[(0, hashes[2])])
     connector.poll()
@@ -155,7 +155,7 @@ def test_one_load_attempt_per_admission(full):
     _evict_everything(kv)
     follow = _request("b", list(range(100, 118)) + [7] * 6)
     assert connector.hold(follow)
-    _complete(connector, failed=[(0, h) for h in kv._prepare(follow.all_token_ids, None)[1]])
+    _complete(connector, failed=[(0, h) for h in kv.prepare(follow.all_token_ids, None)[1]])
     connector.poll()
     assert connector.hold(follow) is False  # every page failed: it recomputes instead of retrying
 
@@ -164,7 +164,7 @@ def test_pages_a_tier_holds_are_not_stored_again_and_a_degraded_disk_takes_no_st
     kv, connector = full
     _run_turn(kv, connector, _request("a", range(100, 118)))
     connector.take_transfers()
-    connector.disk.write((0, kv._prepare(list(range(100, 118)), None)[1][0]), b"x" * 16)
+    connector.disk.write((0, kv.prepare(list(range(100, 118)), None)[1][0]), b"x" * 16)
     connector.health["disk"].fail("disk_full", "test", stores_only=True)
     _run_turn(kv, connector, _request("b", list(range(100, 118)) + list(range(200, 208))))
     stores = connector.take_transfers().stores
@@ -196,7 +196,7 @@ def test_a_recurrent_state_checkpoint_goes_through_the_tiers_under_its_checkpoin
     kv.free("a")
     stores = connector.take_transfers().stores
     state_group = next(g.group_id for g in kv.groups if g.group.spec.hit_rule == "checkpoint")
-    hashes = kv._prepare(turn.all_token_ids, None)[1]
+    hashes = kv.prepare(turn.all_token_ids, None)[1]
     state_keys = [key for job in stores if job.group == state_group for key in job.keys]
     assert state_keys == [hashes[3]]  # interval retention keeps the last checkpoint: 16 tokens
     _evict_everything(kv)
@@ -248,7 +248,7 @@ def _small_pool_with_a_stored_turn() -> tuple[KVCacheManager, OffloadConnector, 
 def test_a_failed_load_releases_every_page_it_held_at_once():
     kv, connector, tokens = _small_pool_with_a_stored_turn()
     follow = _request("b", tokens)
-    hashes = kv._prepare(tokens, None)[1]
+    hashes = kv.prepare(tokens, None)[1]
     assert connector.hold(follow) and kv.pool.num_free == 1  # 6 staged pages of 7
     _complete(connector, failed=[(0, hashes[2])])
     assert connector.poll() == [follow]
@@ -275,7 +275,7 @@ def test_a_failed_load_is_recomputed_in_the_same_scheduling_pass_and_the_request
     out = scheduler.schedule()
     assert out.scheduled == [] and connector.num_held == 1 and scheduler.num_waiting == 2  # b parked, c behind
     [job] = out.kv_transfers.loads  # the worker reports its third page corrupt
-    connector.results.put(("load", job.job_id, {(0, kv._prepare(tokens, None)[1][2]): ("checksum", "test")}))
+    connector.results.put(("load", job.job_id, {(0, kv.prepare(tokens, None)[1][2]): ("checksum", "test")}))
     out = scheduler.schedule()  # the failure, its release and b's admission: one pass
     assert [item.request.request_id for item in out.scheduled] == ["b"]
     assert first.num_computed_tokens == 2 * BLOCK and scheduler.num_waiting == 1

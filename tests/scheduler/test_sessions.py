@@ -63,7 +63,7 @@ def test_a_turn_end_pins_its_pages_for_a_margin_over_the_expected_gap_and_sessio
     assert before + 12.0 <= expected_at <= clock() + 12.0 and not ended
     # 80 prompt tokens + 1 computed reply token: 5 whole pages, pinned for the session and as a fork point
     assert engine.kv.stats()["pinned_blocks"] == 5
-    session_pin, branch_pin = policy._pins[("session", "s1")], policy._pins[("branch", "s1")]
+    session_pin, branch_pin = policy.pins.get(("session", "s1")), policy.pins.get(("branch", "s1"))
     assert len(session_pin.pages) == len(branch_pin.pages) == 5
     assert before + 1.5 * 12.0 + 1.0 <= session_pin.expires_at <= clock() + 1.5 * 12.0 + 1.0
     assert branch_pin.expires_at == math.inf  # until the session ends
@@ -75,11 +75,11 @@ def test_a_turn_end_pins_its_pages_for_a_margin_over_the_expected_gap_and_sessio
 def test_pin_none_pins_nothing_and_expects_no_next_turn_and_end_session_releases_a_pin(engine):
     policy = engine.kv.pool.eviction_order.policy
     run(engine, PROMPT, hints=AgentHints(session_id="quiet", pin="none"))
-    assert session_state(policy, "quiet")[0] == math.inf and ("session", "quiet") not in policy._pins
+    assert session_state(policy, "quiet")[0] == math.inf and ("session", "quiet") not in policy.pins
     run(engine, PROMPT, session_id="plain")  # no hints: a soft pin for the default gap
-    assert ("session", "plain") in policy._pins
+    assert ("session", "plain") in policy.pins
     engine.end_session("plain")
-    assert ("session", "plain") not in policy._pins and session_state(policy, "plain")[1]
+    assert ("session", "plain") not in policy.pins and session_state(policy, "plain")[1]
 
 
 def test_lru_takes_no_session_pins(model):
@@ -99,8 +99,8 @@ def test_the_servers_agent_hints_reach_the_policy(model):
         assert reply.status_code == 200
         expected_at, _ = session_state(policy, "agent-7")
         assert expected_at == pytest.approx(policy.session_last_turn_end[policy._session_index["agent-7"]] + 40.0)
-        assert ("session", "agent-7") in policy._pins
+        assert ("session", "agent-7") in policy.pins
         reply = client.post("/v1/chat/completions",
                             json={**body, "agent_hints": {"session_id": "agent-7", "session_end": True}})
         assert reply.status_code == 200
-    assert session_state(policy, "agent-7")[1] and ("session", "agent-7") not in policy._pins
+    assert session_state(policy, "agent-7")[1] and ("session", "agent-7") not in policy.pins

@@ -43,7 +43,7 @@ def test_the_ready_line_names_the_url_model_and_kv_capacity_in_tokens_and_memory
         return SimpleNamespace(tokens_per_page=tokens, group=SimpleNamespace(spec=SimpleNamespace(kind=kind, hit_rule=rule)))
 
     # a MiniMax-M3-like pool: 128-token pages of full attention and indexer keys; 2 GiB of buffers
-    engine = SimpleNamespace(kv=SimpleNamespace(pool=SimpleNamespace(num_pages=1001),
+    engine = SimpleNamespace(kv=SimpleNamespace(num_pages=1001,
                                                 groups=[group("full_attention", 128, "prefix"),
                                                         group("indexer_keys", 128, "prefix")]),
                              config=EngineConfig(block_size=128),

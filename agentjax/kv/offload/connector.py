@@ -75,7 +75,7 @@ class OffloadConnector:
         self._transfers = KVTransfers()
         self._ready: list = []
         # Paused sessions' pages, loaded back when the pool's KV policy says their next turn is near.
-        policy = getattr(kv.pool.eviction_order, "policy", None)
+        policy = kv.kv_policy
         self.prefetcher = SessionPrefetcher(self, policy) if prefetch and policy is not None else None
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ class OffloadConnector:
     def lookup(self, token_ids, cache_salt: str | None = None) -> dict[str, int]:
         """Pages of the prompt's longest prefix servable from the device pool and the tiers, per tier
         (the nearest tier holding each page): `{"device": n, "host": n, "disk": n, "mooncake": n}`."""
-        _, hashes, device_hit, reuse = self.kv._prepare(token_ids, cache_salt)
+        _, hashes, device_hit, reuse = self.kv.prepare(token_ids, cache_salt)
         counts = dict.fromkeys(("device", *TIER_NAMES), 0)
         if not hashes:
             return counts
@@ -99,7 +99,7 @@ class OffloadConnector:
             counts["device"] = sum(len(pages) for pages, _ in reuse)
             return counts
         forget_runs(self._union)
-        _, reuse = self.kv._find_hit(hashes, len(token_ids), self._union)
+        _, reuse = self.kv.find_hit(hashes, len(token_ids), self._union)
         for entries, _ in reuse:  # tier codes are negative, page ids positive: count in C
             in_tiers = 0
             for tier in self.tiers:
@@ -127,12 +127,13 @@ class OffloadConnector:
             self.prefetcher.on_request_added(request)
         if self.mooncake is None or not self.health["mooncake"].usable():
             return
-        _, hashes, _, _ = self.kv._prepare(request.all_token_ids, request.cache_salt)
+        _, hashes, _, _ = self.kv.prepare(request.all_token_ids, request.cache_salt)
         unknown = []
         for group in self.kv.groups:
+            cached = self.kv.cached_index(group.group_id)
             for block_hash in group.page_keys(hashes):
                 key = (group.group_id, block_hash)
-                if key not in self._known_remote and block_hash not in self.kv.pool.cached[group.group_id]:
+                if key not in self._known_remote and block_hash not in cached:
                     unknown.append(key)
         if unknown:
             self._transfers.probes.append((request.request_id, unknown))
@@ -157,7 +158,7 @@ class OffloadConnector:
         if self._attempted.get(request.request_id) == request.num_preemptions:
             return False
         deferred = self._deferred.get(request.request_id)
-        if deferred is not None and deferred[0] == request.num_preemptions and self.kv.pool.free_units() < deferred[1]:
+        if deferred is not None and deferred[0] == request.num_preemptions and self.kv.num_free_blocks < deferred[1]:
             return False  # no room yet for the load it planned last time: planning again would not find any
         if held is not None:
             del self._held[request.request_id]
@@ -167,8 +168,8 @@ class OffloadConnector:
         """Start loading the request's prefix from the tiers if they extend its device hit. One load per
         admission; a pool without room for the staged pages leaves the decision to a later step (the
         admission needs at least as many free pages, so the request waits for room either way)."""
-        kv, pool = self.kv, self.kv.pool
-        _, hashes, device_hit, _ = kv._prepare(tokens, request.cache_salt)
+        kv = self.kv
+        _, hashes, device_hit, _ = kv.prepare(tokens, request.cache_salt)
         self._attempted[request.request_id] = request.num_preemptions
         if device_hit + self.min_load_tokens > len(tokens) - 1:
             return False
@@ -176,9 +177,8 @@ class OffloadConnector:
         if plan is None:
             return False
         transfers, device = plan
-        needed = pool.page_units([t.group for t in transfers], by_group=True) + pool.free_units_among(device) \
-            + self.watermark
-        if needed > pool.free_units():
+        needed = kv.load_units([t.group for t in transfers], device) + self.watermark
+        if needed > kv.num_free_blocks:
             del self._attempted[request.request_id]  # no room to stage now: decide again once pages free up
             self._deferred[request.request_id] = (request.num_preemptions, needed)
             self.stats.add("load_deferred", "all")
@@ -192,7 +192,7 @@ class OffloadConnector:
     @property
     def watermark(self) -> int:
         """Free pages a load leaves for the running requests."""
-        return max(1, self.kv.pool.capacity_units() // 100)
+        return max(1, self.kv.capacity_units // 100)
 
     def plan_load(self, hashes: list, num_tokens: int, device_hit: int) -> tuple[list[PageTransfer], np.ndarray] | None:
         """The page transfers that extend a device hit of `device_hit` tokens (of a prompt of `num_tokens`
@@ -201,7 +201,7 @@ class OffloadConnector:
         if not hashes or not self._any_tier_beyond(hashes, device_hit):
             return None
         forget_runs(self._union)
-        hit, reuse = self.kv._find_hit(hashes, num_tokens, self._union)
+        hit, reuse = self.kv.find_hit(hashes, num_tokens, self._union)
         if hit < device_hit + self.min_load_tokens:
             return None
         entries_of = [np.asarray(entries, dtype=np.int64) for entries, _ in reuse]
@@ -228,9 +228,9 @@ class OffloadConnector:
         """Stage a planned load for `owner` (a request id, or a prefetch's name): references on the hit's
         device pages and new pages for the transfers, and a load job for the worker. Returns the job id
         and the pages to release once the load is done."""
-        pool = self.kv.pool
-        pool.touch(device)  # the hit's resident pages must outlive the load
-        staged = pool.allocate_pages([transfer.group for transfer in transfers])
+        kv = self.kv
+        kv.hold_pages(device)  # the hit's resident pages must outlive the load
+        staged = kv.take_load_pages([transfer.group for transfer in transfers])
         for transfer, page in zip(transfers, staged.tolist()):
             transfer.page = page
         if self.host is not None:  # the host pages are in use again
@@ -260,7 +260,7 @@ class OffloadConnector:
         self._deferred.pop(request.request_id, None)
         held = self._held.pop(request.request_id, None)
         if held is not None and len(held.held_pages):  # a probed request holds none; a loaded one no more
-            self.kv.pool.release(held.held_pages)
+            self.kv.release_pages(held.held_pages)
 
     def drop(self, request) -> None:
         """The request ended while parked (an abort): release what it held once no copy can write it."""
@@ -274,7 +274,7 @@ class OffloadConnector:
             return
         del self._held[request.request_id]
         if len(held.held_pages):
-            self.kv.pool.release(held.held_pages)
+            self.kv.release_pages(held.held_pages)
 
     def poll(self) -> list:
         """Apply the worker's completions; returns the parked requests that may be admitted now."""
@@ -332,7 +332,7 @@ class OffloadConnector:
         prefetched = held is None and self.prefetcher is not None and self.prefetcher.owns(owner)
         if not prefetched and (held is None or held.job_id != job_id):
             return
-        pool = self.kv.pool
+        kv = self.kv
         loaded: dict[str, int] = {}
         pages: list[int] = []
         for transfer in transfers:
@@ -341,7 +341,7 @@ class OffloadConnector:
                 if transfer.tier == "mooncake":
                     self._known_remote.forget(key)
                 continue
-            if pool.cache_page(transfer.page, transfer.group, transfer.key, transfer.parent):
+            if kv.cache_loaded_page(transfer.page, transfer.group, transfer.key, transfer.parent):
                 loaded[transfer.tier] = loaded.get(transfer.tier, 0) + 1
                 pages.append(transfer.page)
         for tier, count in loaded.items():
@@ -352,7 +352,7 @@ class OffloadConnector:
         if prefetched:
             self.prefetcher.on_loaded(owner, pages)
             return
-        pool.release(held.held_pages)
+        kv.release_pages(held.held_pages)
         held.held_pages = held.held_pages[:0]
         if held.abandoned:
             del self._held[owner]
@@ -366,7 +366,7 @@ class OffloadConnector:
         tier that lacks them (`StorePlanner`). Call before the request's pages are freed."""
         if self.prefetcher is not None:
             self.prefetcher.on_turn_end(request)
-        state = self.kv._requests.get(request.request_id)
+        state = self.kv.running(request.request_id)
         if state is None or not state.hashes:
             return
         branch = bool(getattr(request.hints, "branch_point", False))

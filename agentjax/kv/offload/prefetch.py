@@ -93,19 +93,17 @@ class SessionPrefetcher:
     def _stage(self, session_id: Hashable, hashes: list) -> str:
         """"staged", "deferred" (no room now: a later tick tries again) or "none" (nothing to load)."""
         connector, kv = self.connector, self.connector.kv
-        pool, owner = kv.pool, self._owner(session_id)
+        owner = self._owner(session_id)
         if owner in self._loading:
             return "none"
         num_tokens = len(hashes) * kv.block_size + 1  # +1: a hit never covers a prompt's last token
-        device_hit, _ = kv._find_hit(hashes, num_tokens)
+        device_hit, _ = kv.find_hit(hashes, num_tokens)
         plan = connector.plan_load(hashes, num_tokens, device_hit)
         if plan is None:
             return "none"
         transfers, device = plan
-        order = pool.eviction_order
-        pinned_free = order.num_pinned()[1] if hasattr(order, "num_pinned") else 0
-        needed = pool.page_units([t.group for t in transfers], by_group=True) + pool.free_units_among(device)
-        if needed + connector.watermark > pool.free_units() - pool.count_units(pinned_free):
+        needed = kv.load_units([t.group for t in transfers], device)
+        if needed + connector.watermark > kv.num_free_blocks - kv.pinned_free_units():
             connector.stats.add("prefetch_deferred", "all")  # only pinned pages left to take: keep them
             return "deferred"
         _, held = connector.start_load(owner, transfers, device)
@@ -117,6 +115,6 @@ class SessionPrefetcher:
     def on_loaded(self, owner: tuple, pages: list[int]) -> None:
         """The load finished: release what it held and pin the pages it brought back for the turn."""
         held = self._loading.pop(owner)
-        self.connector.kv.pool.release(held)
+        self.connector.kv.release_pages(held)
         if pages:
             self.policy.pin(owner, np.asarray(pages, dtype=np.int64), self.policy.clock() + self.pin_s)

@@ -39,11 +39,11 @@ class StorePlanner:
     def jobs(self, state, branch: bool, job_ids) -> list[StoreJob]:
         """The store jobs for a finished turn (`state`: the manager's `RequestKV`; `branch`: its
         branch-point hint; `job_ids`: the connector's id counter), one per group that stores pages."""
-        kv, pool = self.kv, self.kv.pool
+        kv = self.kv
         jobs: list[StoreJob] = []
-        being_written = {dst for _, _, dst in kv._pending_copies}  # a checkpoint not yet copied
+        being_written = kv.pages_being_written()  # a checkpoint not yet copied
         for group, retention, table in zip(kv.groups, self.retention, state.tables):
-            group_id, index = group.group_id, pool.cached[group.group_id]
+            group_id, index = group.group_id, kv.cached_index(group.group_id)
             keys = group.page_keys(state.hashes)
             stored = self._stored_prefix(group_id, keys)  # earlier turns stored these already
             unstored = keys[stored:]

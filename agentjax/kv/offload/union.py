@@ -1,7 +1,7 @@
 """The KV manager's groups seen through the offload tiers: which of a prompt's pages the device pool or a
 tier could serve, for the connector's lookups and load planning (`agentjax.kv.offload.connector`).
 
-A union group answers the manager's own hit rules (`KVCacheManager._find_hit(..., groups=unions)`)
+A union group answers the manager's own hit rules (`KVCacheManager.find_hit(..., groups=unions)`)
 over an index where a key held only by a tier maps to that tier's code (`IN_TIER`, negative, never a
 page id). The prefix kind, the one a long prompt's cost sits in, reuses the device group's memoised
 leading run and reads the host tier's dict in C past it, so a lookup with the tiers on adds one
@@ -92,13 +92,13 @@ def union_groups(kv, tier_of, host=None) -> list[GroupManager]:
     -> IN_TIER code or None; `host`: the host index, read in bulk)."""
     unions: list[GroupManager] = []
     for group in kv.groups:
-        if isinstance(group, PrefixGroup):
-            union = UnionPrefixGroup(group.group, kv.pool, kv.block_size)
+        if isinstance(group, PrefixGroup):  # read the pool the manager's own group reads
+            union = UnionPrefixGroup(group.group, group.pool, kv.block_size)
             union.device_group = group
         else:
-            union = make_group_manager(group.group, kv.pool, kv.block_size)
+            union = make_group_manager(group.group, group.pool, kv.block_size)
         host_slots = host.group_slots(group.group_id) if host is not None else None
-        union.index = UnionIndex(kv.pool.cached[group.group_id], group.group_id, tier_of, host_slots)
+        union.index = UnionIndex(kv.cached_index(group.group_id), group.group_id, tier_of, host_slots)
         unions.append(union)
     return unions
 
