@@ -101,6 +101,7 @@ DSV4_FIXTURES = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
         swiglu_limit=10.0, hc_mult=3, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
         rope_theta=10000.0, compress_rope_theta=160000.0, rope_parameters=None, bos_token_id=0, eos_token_id=1,
+    ),
     # The heavily compressed rates of published checkpoints' shape (4 and 32, 4 and 128), which need KV pages
     # of 32 or 128 tokens for their entries: loaded with the default settings (agentjax/kv/layout.py); with a
     # small byte-level tokenizer, so `agentjax serve` can return text. The indexer keeps every entry of these
