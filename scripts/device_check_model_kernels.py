@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import functools
 
-
-def _helpers():
-    from device_check import _relative_error, _timed
-
-    return _relative_error, _timed
+from device_check_measure import relative_error, timed
 
 
 def _fraction_of_copy(context: dict, gb_per_s: float):
@@ -49,7 +45,6 @@ def check_mla_decode(rec, dry: bool, context: dict) -> bool:
 
     from pallas_kernels import mla_attention as mla
 
-    relative_error, timed = _helpers()
     heads, value_dim, rope_dim, page_size, dtype = (3, 16, 8, 4, jnp.float32) if dry else (
         96, 512, 64, 64, jnp.bfloat16)
     tolerance = 1e-4 if dry else 2e-2
@@ -134,7 +129,6 @@ def check_kda_scan_and_decode(rec, dry: bool, context: dict) -> bool:
     from pallas_kernels import kda
     from pallas_kernels.kda_kernels import kimi_delta_attention_kernel
 
-    relative_error, timed = _helpers()
     heads, dim = (2, 16) if dry else (32, 128)
     rng = np.random.default_rng(12)
     cases = {
@@ -178,7 +172,6 @@ def check_block_sparse_indexer_attention(rec, dry: bool, context: dict) -> bool:
     from pallas_kernels import block_sparse_attention as bsa
     from pallas_kernels import block_sparse_attention_kernels as kernels
 
-    relative_error, timed = _helpers()
     if dry:
         heads, kv_heads, index_heads, dim, block, topk, page_size, dtype = 4, 2, 2, 16, 4, 3, 4, jnp.float32
     else:
