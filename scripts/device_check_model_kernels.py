@@ -103,7 +103,7 @@ def _kda_step(rows, heads, dim, rng, *, kernel=4):
     import numpy as np
 
     from agentjax.ragged_batch import RaggedBatch
-    from pallas_kernels import kda
+    from pallas_kernels.kda_recurrence import state_size
 
     pages = rng.permutation(np.arange(1, len(rows) + 1))
     batch = RaggedBatch.build([([0] * new, done, [int(p)]) for (new, done), p in zip(rows, pages)], 16,
@@ -114,7 +114,7 @@ def _kda_step(rows, heads, dim, rng, *, kernel=4):
         jnp.asarray(-np.exp(rng.uniform(np.log(1e-3), np.log(4.6), size=(tokens, heads, dim))), jnp.float32),
         jnp.asarray(rng.uniform(size=(tokens, heads)), jnp.float32),
         jnp.asarray(rng.normal(size=(channels, kernel)) * 0.5, jnp.float32),
-        jnp.asarray(rng.normal(size=(1, len(rows) + 1, kda.state_size(heads, dim, kernel))) * 0.3, jnp.float32),
+        jnp.asarray(rng.normal(size=(1, len(rows) + 1, state_size(heads, dim, kernel))) * 0.3, jnp.float32),
         batch.cu_q_lens, batch.kv_lens, batch.page_indices[0][:, 0],
     )
     return batch, inputs
