@@ -22,7 +22,7 @@ from sharding.attention import pcp_token_split  # noqa: E402
 from sharding.collective_formulas import expected_collectives  # noqa: E402
 from sharding.hlo_collectives import collectives_of  # noqa: E402
 from sharding.mesh import ParallelConfig, check_layout  # noqa: E402
-from sharding.step import lowered_step_text  # noqa: E402
+from agentjax.runner.sharded_step import lowered_step_text  # noqa: E402
 
 TP, DEP = dict(tensor_parallel_size=4), dict(data_parallel_size=8, enable_expert_parallel=True)
 TINY = [  # (preset, layout); each layout where it applies to the preset

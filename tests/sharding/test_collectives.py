@@ -64,7 +64,7 @@ def _cases_quick_first() -> list:
 @pytest.mark.parametrize("preset, layout", _cases_quick_first())
 def test_lowered_step_runs_the_collectives_the_formula_says(preset, layout, numerics):
     need_devices()
-    from sharding.step import lowered_step_text
+    from agentjax.runner.sharded_step import lowered_step_text
 
     cfg, parallel = PRESETS[preset], ParallelConfig(**layout)
     groups = len(kv_buffer_specs(cfg, 16))
