@@ -51,7 +51,7 @@ def kv_bytes_per_device(model_cfg, engine_cfg) -> int:
     from sharding.layouts import local_model_config
 
     if layout.mode == "pool":
-        from agentjax.kv.layout import local_layout
+        from agentjax.kv.layout_build import local_layout
 
         local_cfg = local_model_config(model_cfg, parallel)
         return local_layout(layout, local_cfg, parallel.decode_context_parallel_size).total_bytes

@@ -68,8 +68,8 @@ class ShardedStep:
         return tuple(buffers)
 
     def local_kv_layout(self, kv_layout):
-        """One device's part of a "pool" layout (agentjax/kv/layout.py `local_layout`)."""
-        from agentjax.kv.layout import local_layout
+        """One device's part of a "pool" layout (agentjax/kv/layout_build.py `local_layout`)."""
+        from agentjax.kv.layout_build import local_layout
         from sharding.layouts import local_model_config
 
         return local_layout(kv_layout, local_model_config(self.cfg, self.parallel),
