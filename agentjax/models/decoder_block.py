@@ -17,6 +17,7 @@ from jaxtyping import Array
 from agentjax.config import ModelConfig
 from agentjax.models.layer_plan import LayerKind
 from agentjax.models.layers import GatedMLP, RMSNorm
+from agentjax.models.moe import MoE
 from agentjax.models.residual import layer_residual
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ def make_mlp(cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs) -> nnx.Module:
     """The feed-forward block of a layer: a gated MLP, or a mixture of experts (routed by its router,
     or by a token-id table for "hash_moe"). Each is called as `mlp(x, numerics, token_ids=..., real_tokens=...)`."""
     if kind in ("moe", "hash_moe"):
-        from agentjax.models.moe import MoE
-
         table_rows = cfg.vocab_size if kind == "hash_moe" else None
         return MoE(cfg.hidden_size, cfg.moe, dtype=cfg.dtype, rngs=rngs, hash_table_rows=table_rows,
                    impl=cfg.attention_impl)
