@@ -1,7 +1,8 @@
 """The import graph of the project's packages, read with `ast` (nothing is imported, so no jax): no circle
 between modules, and no lower floor (sharding, kv, scheduler, models, pallas_kernels) reaching a floor that
 drives them (the engine, the runner, llm, the server, the router, bench). Every import counts: module level,
-inside functions, under `TYPE_CHECKING`, and `importlib.import_module` of a constant name."""
+inside functions, under `TYPE_CHECKING`, and `importlib.import_module` of a constant name (a module named by
+a string built at run time, as the decoder block's mixer registry does, is not seen)."""
 from __future__ import annotations
 
 import ast
