@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "agentjax.llm",
-    "RequestOutput": "agentjax.llm",
-    "CompletionOutput": "agentjax.llm",
+    "RequestOutput": "agentjax.outputs",
+    "CompletionOutput": "agentjax.outputs",
     "TokenLogprobs": "agentjax.logprobs",
     "SamplingParams": "agentjax.sampling_params",
     "EngineConfig": "agentjax.config",
@@ -21,7 +21,8 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from agentjax.config import EngineConfig
-    from agentjax.llm import LLM, CompletionOutput, RequestOutput
+    from agentjax.llm import LLM
+    from agentjax.outputs import CompletionOutput, RequestOutput
     from agentjax.logprobs import TokenLogprobs
     from agentjax.sampling_params import SamplingParams
 

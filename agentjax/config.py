@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from agentjax.errors import InvalidRequestError
 from agentjax.layer_configs import (BlockSparseConfig, CompressedAttentionConfig, HyperConnectionConfig,  # noqa: F401
-                                    KDAConfig, MLAConfig, RopeScaling)
+                                    KDAConfig, MLAConfig, MoEConfig, RopeScaling)
 
 # Token mixers: GQA over all earlier tokens or a window, MiniMax-M3's block-sparse GQA with its
 # indexer, MLA over a latent cache, Kimi's KDA (linear attention with a recurrent state), and
@@ -73,7 +73,7 @@ class ModelConfig:
     kda: KDAConfig | None = None
     block_sparse: BlockSparseConfig | None = None
     compressed_attention: CompressedAttentionConfig | None = None
-    moe: Any = None  # agentjax.models.moe.MoEConfig for "moe" layers
+    moe: MoEConfig | None = None  # for "moe" layers
     # Multi-token-prediction modules (MiniMax-M3's, DeepSeek-V4's; agentjax/models/mtp.py): loaded with
     # the model; run only by speculative decoding's "mtp" method, which sets `mtp_kv_cache` so that
     # their layers get KV tensors after the main layers' (agentjax/kv/cache_layout.py).
@@ -212,11 +212,7 @@ class ModelConfig:
     def from_dict(cls, fields: dict[str, Any]) -> "ModelConfig":
         fields = dict(fields)
         nested = {"rope_scaling": RopeScaling, "mla": MLAConfig, "kda": KDAConfig, "block_sparse": BlockSparseConfig,
-                  "hyper_connections": HyperConnectionConfig}
-        if fields.get("moe") is not None:
-            from agentjax.models.moe import MoEConfig
-
-            nested["moe"] = MoEConfig
+                  "hyper_connections": HyperConnectionConfig, "moe": MoEConfig}
         attention = fields.get("compressed_attention")
         if isinstance(attention, dict):
             scaling = attention.get("compress_rope_scaling")

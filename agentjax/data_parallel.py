@@ -123,7 +123,7 @@ class DataParallelEngine:
         page_size = engine_cfg.parallel.kv_page_tokens(engine_cfg.block_size)
         self.runner = DataParallelRunner(model_cfg, params, self.ranks[0].kv.num_pages, page_size,
                                          engine_cfg.numerics, engine_cfg.logprobs_mode, parallel=engine_cfg.parallel)
-        from sharding.distributed import distributed_runner
+        from agentjax.runner.distributed import distributed_runner
 
         self.runner = distributed_runner(self.runner, engine_cfg)  # process 0 announces its calls to the others
         self.lockstep = _Lockstep(self.runner, self.num_ranks)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from agentjax.errors import InvalidRequestError
-from agentjax.kv.layout import build_layout
+from agentjax.kv.layout_build import build_layout
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """The sub-configurations that layer kinds need: MLA, KDA, block-sparse attention, DeepSeek-V4's
-compressed attention and hyper-connections, and RoPE scaling.
+compressed attention and hyper-connections, MoE routing and experts, and RoPE scaling; the names of the
+gated activations and router scorings they accept.
 
 Frozen dataclasses held by `agentjax.config.ModelConfig` (which re-exports them). Host only:
 never imports jax.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from agentjax.errors import InvalidRequestError
+from agentjax.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -162,3 +163,94 @@ class CompressedAttentionConfig:
         if self.kv_format not in ("model_dtype", "fp8_ds_mla"):
             raise InvalidRequestError(
                 f"compressed_attention kv_format must be 'model_dtype' or 'fp8_ds_mla', got {self.kv_format!r}")
+
+
+# silu: llama's SwiGLU. gelu_tanh: Gemma's GeGLU. swigluoai: MiniMax-M3's clamped SwiGLU.
+# situ: Kimi-K3's SiTU-GLU. clamped_swiglu: DeepSeek-V4's SwiGLU with clamped inputs.
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai", "situ", "clamped_swiglu")
+# Router scores from logits (agentjax/models/moe.py computes them; names as HF configs spell them).
+MOE_SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def check_gated_activation(kind: str, swiglu_limit: float, situ_beta: float, situ_linear_beta: float | None) -> None:
+    """Raise unless `kind` is one of `GATED_ACTIVATIONS` and its constants are positive."""
+    if kind not in GATED_ACTIVATIONS:
+        raise UnsupportedModelError(f"gated activation {kind!r} is not supported; expected one of {GATED_ACTIVATIONS}")
+    positive = {"swiglu_limit": swiglu_limit, "situ_beta": situ_beta}
+    if situ_linear_beta is not None:
+        positive["situ_linear_beta"] = situ_linear_beta
+    for name, value in positive.items():
+        if not value > 0:
+            raise ModelLoadError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer's routing and expert shapes (agentjax/models/moe.py's docstring gives the HF field names)."""
+
+    num_experts: int
+    num_experts_per_token: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 0
+    # Width of the shared experts as one MLP; None: expert_intermediate_size * num_shared_experts.
+    shared_intermediate_size: int | None = None
+    scoring: str = "softmax"
+    use_routing_bias: bool = False
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    situ_beta: float = 4.0
+    situ_linear_beta: float | None = 25.0
+    # Kimi-K3's latent MoE: routed experts run at this width (None: at the hidden size).
+    latent_size: int | None = None
+    latent_norm: bool = False
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.scoring not in MOE_SCORINGS:
+            raise UnsupportedModelError(
+                f"MoE scoring {self.scoring!r} is not supported; expected one of {MOE_SCORINGS}"
+            )
+        check_gated_activation(self.activation, self.swiglu_limit, self.situ_beta, self.situ_linear_beta)
+        at_least_one = ("num_experts", "num_experts_per_token", "expert_intermediate_size",
+                        "num_expert_groups", "topk_groups")
+        for name in at_least_one:
+            if getattr(self, name) < 1:
+                raise ModelLoadError(f"MoE {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_shared_experts < 0:
+            raise ModelLoadError(f"MoE num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        if self.num_shared_experts and self.shared_size < 1:
+            raise ModelLoadError(f"MoE shared_intermediate_size must be >= 1, got {self.shared_size}")
+        groups = self.num_expert_groups
+        if self.num_experts % groups:
+            raise ModelLoadError(f"MoE num_expert_groups={groups} must divide num_experts={self.num_experts}")
+        if self.topk_groups > groups:
+            raise ModelLoadError(f"MoE topk_groups must be in [1, {groups}], got {self.topk_groups}")
+        if groups > 1 and self.num_experts // groups < 2:
+            raise ModelLoadError(
+                f"MoE grouped top-k scores a group by its two best experts; num_experts={self.num_experts} "
+                f"over num_expert_groups={groups} leaves {self.num_experts // groups}"
+            )
+        choosable = self.topk_groups * (self.num_experts // groups)
+        if self.num_experts_per_token > choosable:
+            raise ModelLoadError(
+                f"MoE num_experts_per_token must be in [1, {choosable}] (experts in the topk_groups best "
+                f"groups), got {self.num_experts_per_token}"
+            )
+        if self.latent_size is not None and self.latent_size < 1:
+            raise ModelLoadError(f"MoE latent_size must be >= 1 or None, got {self.latent_size}")
+        if self.latent_norm and self.latent_size is None:
+            raise ModelLoadError("MoE latent_norm needs a latent_size")
+
+    @property
+    def shared_size(self) -> int:
+        """Intermediate width of the shared experts taken together (0 without shared experts)."""
+        if not self.num_shared_experts:
+            return 0
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.expert_intermediate_size * self.num_shared_experts

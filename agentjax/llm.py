@@ -9,47 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from agentjax.config import EngineConfig
 from agentjax.data_parallel import make_engine
 from agentjax.errors import InvalidRequestError
 from agentjax.logprobs import TokenLogprobs, cumulative_logprob
+from agentjax.outputs import CompletionOutput, RequestOutput
 from agentjax.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request: its text and ids, why it stopped, and its log probabilities when asked
-    (`cumulative_logprob` is their sum; with best_of it is how samples were ranked)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float | None = None
-
-
-@dataclass
-class RequestOutput:
-    """One finished request: generated text and ids, and how much of its prompt was cached.
-
-    `outputs` holds every returned sample (n of them); the flat fields are the first sample's.
-    `prompt_logprobs` has one entry per prompt token (the first None) when asked for."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    num_cached_tokens: int
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class LLM:
@@ -69,7 +38,7 @@ class LLM:
             )
         self.engine_config = EngineConfig(**engine_args)
         if self.engine_config.num_processes > 1:
-            from sharding.distributed import initialize
+            from agentjax.runner.distributed import initialize
 
             initialize(self.engine_config)  # before any device is used
         self.model_config, self.params, self.tokenizer = load_model(
@@ -106,7 +75,7 @@ class LLM:
         return its outputs.
         """
         if self.engine_config.num_processes > 1:
-            from sharding.distributed import generate_across_processes
+            from agentjax.runner.distributed import generate_across_processes
 
             return generate_across_processes(self, self._generate, prompts, sampling_params, session_ids)
         return self._generate(prompts, sampling_params, session_ids)

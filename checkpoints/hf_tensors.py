@@ -126,13 +126,13 @@ class HFTensors:
             self.origins[param] = name
         if quant is not None:
             from checkpoints.lazy_quant import LazyQuant, global_scale_of
-            from checkpoints.lazy_tensors import Source
+            from checkpoints.lazy_reads import Source
 
             glob = None if quant.global_scale is None else global_scale_of(Source(quant.global_scale).materialize())
             lazy = LazyQuant(Source(quant.values), Source(quant.scales), glob, quant.codec, quant.shape, name)
             return lazy if self.lazy else np.asarray(lazy)
         if self.lazy:
-            from checkpoints.lazy_tensors import Source
+            from checkpoints.lazy_reads import Source
 
             return Source(entry)
         return np.array(read_tensor(entry), dtype=np.float32)  # a copy: never tied to the file

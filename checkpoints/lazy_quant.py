@@ -16,7 +16,9 @@ import numpy as np
 
 from agentjax.errors import UnsupportedModelError
 from checkpoints import quant_codecs
-from checkpoints.lazy_tensors import Index, Lazy, Materialized, full_index, normalize, region_shape
+from checkpoints.lazy_tensors import (
+    _HANDLERS, Index, Joined, Lazy, Materialized, _plain, full_index, normalize, region_shape,
+)
 from checkpoints.quant_codecs import Codec
 
 
@@ -151,12 +153,15 @@ class LazyQuant:
     def dequantized(self) -> Lazy:
         return Dequantized(self)
 
+    @staticmethod
+    def join(arrays: Sequence[LazyQuant], axis: int, new_axis: bool) -> Lazy:
+        """`np.stack` (`new_axis`) or `np.concatenate` of quantised tensors: `join_quant`."""
+        return join_quant(arrays, axis, new_axis)
+
     def __array__(self, dtype=None, copy=None):
         return self.read_region(full_index(self.shape)).astype(dtype or np.float32, copy=False)
 
     def __array_function__(self, func, types, args, kwargs):
-        from checkpoints.lazy_tensors import _HANDLERS, _plain
-
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
@@ -179,8 +184,6 @@ class Dequantized(Lazy):
 def join_quant(arrays: Sequence[LazyQuant], axis: int, new_axis: bool):
     """`np.stack` / `np.concatenate` of quantised tensors, part by part; tensors of different formats are
     joined as float32 instead."""
-    from checkpoints.lazy_tensors import Joined
-
     first = arrays[0]
     if any(a.codec != first.codec for a in arrays):
         return Joined([a.dequantized() for a in arrays], axis, new_axis)

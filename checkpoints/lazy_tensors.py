@@ -1,72 +1,22 @@
 """Checkpoint tensors as recipes read on demand: a region of a converted parameter reads only its bytes.
 
 A family's conversion (transposes, gate|up concatenation, stacking experts, splitting an axis) runs on
-`Lazy` objects instead of arrays: `take` hands out a `Source` (one safetensors tensor), numpy's
-`np.stack` / `np.concatenate` / `.T` / slicing build recipe nodes, and `read(index)` later fetches the
-bytes one region needs with `os.pread` (a device's shard of a parameter, say), so no process holds a
+`Lazy` objects instead of arrays: `take` hands out a `Source` (one safetensors tensor, lazy_reads.py), numpy's
+`np.stack` / `np.concatenate` / `.T` / slicing build the recipe nodes below, and `read(index)` later fetches
+the bytes one region needs with `os.pread` (a device's shard of a parameter, say), so no process holds a
 whole model. Anything a recipe cannot express lazily (an arbitrary reshape, a value check) reads the
 tensor whole as float32, as a plain array would. Host only: never imports jax.
 """
 from __future__ import annotations
 
 import math
-import os
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 
-from agentjax.errors import CorruptCheckpointError
 from checkpoints.safetensors_reader import TensorEntry
 
 Index = tuple[slice, ...]
-# Runs of bytes shorter than this are widened to whole rows when that reads at most 4x the bytes asked for:
-# fewer system calls for strided regions (a row-parallel shard of an [out, in] weight).
-SMALL_RUN_BYTES = 64 * 1024
-
-
-class FileReads:
-    """Open files and a count of the bytes read through them (shared by every `Source`)."""
-
-    def __init__(self):
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-
-    def fd(self, path) -> int:
-        key = str(path)
-        with self._lock:
-            if key not in self._fds:
-                self._fds[key] = os.open(key, os.O_RDONLY)
-            return self._fds[key]
-
-    def pread_into(self, entry: TensorEntry, buffer: memoryview, offset: int) -> None:
-        got = os.preadv(self.fd(entry.file), [buffer], offset)
-        if got != len(buffer):
-            raise CorruptCheckpointError(f"safetensors file {entry.file} is truncated: tensor {entry.name!r} "
-                                         f"needs bytes up to {offset + len(buffer)}, the file ended first")
-        with self._lock:
-            self.bytes_read += got
-
-    def pread_runs(self, entry: TensorEntry, buffer: memoryview, offsets: list[int], run_bytes: int) -> None:
-        """`len(offsets)` runs of `run_bytes` from the file, one after another into `buffer`."""
-        fd = self.fd(entry.file)
-        for n, offset in enumerate(offsets):
-            view = buffer[n * run_bytes:(n + 1) * run_bytes]
-            if os.preadv(fd, [view], offset) != run_bytes:
-                raise CorruptCheckpointError(f"safetensors file {entry.file} is truncated: tensor {entry.name!r} "
-                                             f"needs bytes up to {offset + run_bytes}, the file ended first")
-        with self._lock:
-            self.bytes_read += run_bytes * len(offsets)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-
-READS = FileReads()
 
 
 def full_index(shape: Sequence[int]) -> Index:
@@ -233,57 +183,168 @@ class Materialized(Lazy):
         return np.ascontiguousarray(self.array[index])
 
 
-class Source(Lazy):
-    """One tensor of a safetensors file; `read` fetches the contiguous byte runs a region covers."""
+# ---- the recipe nodes the numpy surface builds: transposes, slices, stacks and concatenations, axis
+# splits, dropped axes and elementwise maps, each reading the region it is asked for from its children
 
-    def __init__(self, entry: TensorEntry, reads: FileReads = READS):
-        self.entry, self.reads = entry, reads
-        self.shape, self.dtype = tuple(entry.shape), entry.dtype
+class Transpose(Lazy):
+    def __init__(self, child: Lazy, axes: tuple[int, ...]):
+        self.child, self.axes = child, axes
+        self.shape, self.dtype = tuple(child.shape[a] for a in axes), child.dtype
 
-    def entries(self) -> list[TensorEntry]:
-        return [self.entry]
+    def entries(self):
+        return self.child.entries()
+
+    def _child_index(self, index: Index) -> Index:
+        child_index = [None] * len(self.axes)
+        for position, axis in enumerate(self.axes):
+            child_index[axis] = index[position]
+        return tuple(child_index)
 
     def read(self, index: Index) -> np.ndarray:
-        shape, itemsize = self.shape, self.dtype.itemsize
-        if not shape:
-            out = np.empty((), self.dtype)
-            self.reads.pread_into(self.entry, memoryview(out.reshape(1).view(np.uint8)), self.entry.offset)
-            return out
-        wanted = region_shape(index)
-        if 0 in wanted:
-            return np.zeros(wanted, self.dtype)
-        fetch = list(index)
-        # the innermost axis whose range is partial; axes after it are read whole
-        k = max((a for a, s in enumerate(fetch) if (s.start, s.stop) != (0, shape[a])), default=0)
-        while k > 0:
-            run = (fetch[k].stop - fetch[k].start) * math.prod(shape[k + 1:]) * itemsize
-            if run >= SMALL_RUN_BYTES or 4 * (fetch[k].stop - fetch[k].start) < 3 * shape[k]:
-                break
-            fetch[k] = slice(0, shape[k])  # widen to whole rows (a quarter read in vain at most), cut below
-            k = max((a for a in range(k) if (fetch[a].start, fetch[a].stop) != (0, shape[a])), default=0)
-        out = np.empty(region_shape(fetch), self.dtype)
-        run_bytes = (fetch[k].stop - fetch[k].start) * math.prod(shape[k + 1:]) * itemsize
-        strides = [math.prod(shape[a + 1:]) * itemsize for a in range(len(shape))]
-        offsets = np.asarray(self.entry.offset + fetch[k].start * strides[k], np.int64)
-        for a in range(k):  # the byte offset of every run, outer axes in order
-            offsets = np.add.outer(offsets, np.arange(fetch[a].start, fetch[a].stop, dtype=np.int64) * strides[a])
-        self.reads.pread_runs(self.entry, memoryview(out.reshape(-1).view(np.uint8)), offsets.reshape(-1).tolist(),
-                              run_bytes)
-        inner = tuple(slice(i.start - f.start, i.stop - f.start) for i, f in zip(index, fetch))
-        return out if tuple(fetch) == tuple(index) else np.ascontiguousarray(out[inner])
-
+        return np.ascontiguousarray(self.child.read(self._child_index(index)).transpose(self.axes))
 
     def read_into(self, out: np.ndarray, index: Index) -> None:
-        shape = self.shape
-        partial = [a for a, s in enumerate(index) if (s.start, s.stop) != (0, shape[a])]
-        contiguous = not partial or all(index[a].stop - index[a].start == 1 for a in partial[:-1])
-        if not (contiguous and out.flags.c_contiguous and out.dtype == self.dtype and shape):
-            out[...] = self.read(index)
-            return
-        start = sum(index[a].start * math.prod(shape[a + 1:]) for a in range(len(shape)))
-        self.reads.pread_into(self.entry, memoryview(out.reshape(-1).view(np.uint8)),
-                              self.entry.offset + start * self.dtype.itemsize)
+        out[...] = self.child.read(self._child_index(index)).transpose(self.axes)
 
 
-# The structural nodes live in lazy_ops.py (imported last: they subclass Lazy).
-from checkpoints.lazy_ops import _HANDLERS, DropAxes, Joined, Map, Slice, SplitAxis, Transpose  # noqa: E402,F401
+class Slice(Lazy):
+    def __init__(self, child: Lazy, index: Index):
+        self.child, self.index = child, index
+        self.shape, self.dtype = region_shape(index), child.dtype
+
+    def entries(self):
+        return self.child.entries()
+
+    def read(self, index: Index) -> np.ndarray:
+        return self.child.read(tuple(slice(o.start + i.start, o.start + i.stop) for o, i in zip(self.index, index)))
+
+
+class Joined(Lazy):
+    """Children stacked on a new axis (`new_axis`) or concatenated along an existing one."""
+
+    def __init__(self, children: Sequence[Lazy], axis: int, new_axis: bool):
+        self.children, self.new_axis = [as_lazy(c) for c in children], new_axis
+        first = self.children[0].shape
+        self.axis = axis % (len(first) + (1 if new_axis else 0))
+        self.dtype = np.result_type(*[c.dtype for c in self.children])
+        if new_axis:
+            self.shape = (*first[:self.axis], len(self.children), *first[self.axis:])
+            self.offsets = list(range(len(self.children) + 1))
+        else:
+            self.offsets = [0, *np.cumsum([c.shape[self.axis] for c in self.children]).tolist()]
+            self.shape = (*first[:self.axis], self.offsets[-1], *first[self.axis + 1:])
+
+    def entries(self):
+        return [e for c in self.children for e in c.entries()]
+
+    def read(self, index: Index) -> np.ndarray:
+        out = np.empty(region_shape(index), self.dtype)
+        self.read_into(out, index)
+        return out
+
+    def read_into(self, out: np.ndarray, index: Index) -> None:
+        want = index[self.axis]
+        for child, begin, end in zip(self.children, self.offsets, self.offsets[1:]):
+            lo, hi = max(want.start, begin), min(want.stop, end)
+            if lo >= hi:
+                continue
+            target = (slice(None),) * self.axis + (lo - want.start if self.new_axis else slice(lo - want.start, hi - want.start),)
+            if self.new_axis:
+                sub = index[:self.axis] + index[self.axis + 1:]
+            else:
+                sub = index[:self.axis] + (slice(lo - begin, hi - begin),) + index[self.axis + 1:]
+            view = out[target]
+            if child.dtype == self.dtype:
+                child.read_into(view, sub)
+            else:
+                view[...] = child.read(sub)
+
+
+class SplitAxis(Lazy):
+    """`axis` of the child split into `parts` (a reshape that only splits one axis)."""
+
+    def __init__(self, child: Lazy, axis: int, parts: tuple[int, ...]):
+        self.child, self.axis, self.parts = child, axis, parts
+        self.shape = (*child.shape[:axis], *parts, *child.shape[axis + 1:])
+        self.dtype = child.dtype
+
+    def entries(self):
+        return self.child.entries()
+
+    def read(self, index: Index) -> np.ndarray:
+        span = index[self.axis:self.axis + len(self.parts)]
+        inner = math.prod(self.parts[1:])
+        first = span[0]
+        child_index = index[:self.axis] + (slice(first.start * inner, first.stop * inner),) + \
+            index[self.axis + len(self.parts):]
+        block = self.child.read(child_index)
+        block = block.reshape(*block.shape[:self.axis], first.stop - first.start, *self.parts[1:],
+                              *block.shape[self.axis + 1:])
+        cut = (slice(None),) * (self.axis + 1) + tuple(span[1:])
+        return np.ascontiguousarray(block[cut])
+
+
+class DropAxes(Lazy):
+    """The child without some of its size-1 axes (what an integer index leaves)."""
+
+    def __init__(self, child: Lazy, axes: tuple[int, ...]):
+        self.child, self.axes = child, axes
+        self.shape = tuple(n for a, n in enumerate(child.shape) if a not in axes)
+        self.dtype = child.dtype
+
+    def entries(self):
+        return self.child.entries()
+
+    def read(self, index: Index) -> np.ndarray:
+        full, rest = [], iter(index)
+        for a in range(self.child.ndim):
+            full.append(slice(0, 1) if a in self.axes else next(rest))
+        return self.child.read(tuple(full)).reshape(region_shape(index))
+
+
+class Map(Lazy):
+    """An elementwise function of the child's values (a dtype change, Gemma's `1 + w`)."""
+
+    def __init__(self, child: Lazy, fn, dtype: np.dtype):
+        self.child, self.fn, self.dtype = child, fn, np.dtype(dtype)
+        self.shape = child.shape
+
+    def entries(self):
+        return self.child.entries()
+
+    def read(self, index: Index) -> np.ndarray:
+        return np.asarray(self.fn(self.child.read(index)), self.dtype)
+
+
+def _join(arrays, axis: int, new_axis: bool) -> Lazy:
+    """Quantised tensors (checkpoints/lazy_quant.py) join part by part, by their own `join`; anything else
+    joins as float values."""
+    if all(hasattr(a, "codec") for a in arrays):
+        return arrays[0].join(arrays, axis, new_axis)
+    return Joined([_float(a) for a in arrays], axis, new_axis)
+
+
+def _stack(arrays, axis=0, **_):
+    return _join(arrays, axis, new_axis=True)
+
+
+def _concatenate(arrays, axis=0, **_):
+    return _join(arrays, axis, new_axis=False)
+
+
+def _float(value) -> Lazy:
+    """A recipe of float values (a quantised operand mixed with plain ones is read dequantised)."""
+    return value.dequantized() if hasattr(value, "codec") else as_lazy(value)
+
+
+_HANDLERS = {
+    np.stack: _stack,
+    np.concatenate: _concatenate,
+    np.ascontiguousarray: lambda a, dtype=None: a if dtype is None else a.astype(dtype),
+    np.transpose: lambda a, axes=None: a.transpose(*(axes or reversed(range(a.ndim)))),
+    np.swapaxes: lambda a, x, y: a.transpose(*[y if i == x % a.ndim else x if i == y % a.ndim else i
+                                               for i in range(a.ndim)]),
+    np.reshape: lambda a, shape, **_: a.reshape(shape),
+    np.shape: lambda a: a.shape,
+    np.ndim: lambda a: a.ndim,
+}

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.numerics import map_row_blocks
 from pallas_kernels import kda_states
+from pallas_kernels.kda_recurrence import delta_rule_step, read_states, row_spans, write_states
 
 # Tokens per chunk of the fast prefill form (transformers uses 64). On CPU at Kimi-Linear's shapes 16
 # was fastest (the in-chunk [C, C, D] decay tensor grows with C), and it wastes less on each row's last chunk.
@@ -33,45 +34,6 @@ CHUNK_SIZE = 16
 
 # l2norm(x) = x / sqrt(sum(x^2) + eps), eps inside the sqrt as in transformers and FLA.
 L2NORM_EPS = 1e-6
-
-
-def state_size(num_heads: int, head_dim: int, conv_kernel_size: int) -> int:
-    """Floats in one state page: the recurrent state then the conv tail (see the module docstring)."""
-    return num_heads * head_dim * head_dim + 3 * num_heads * head_dim * (conv_kernel_size - 1)
-
-
-def split_state(flat: Float[Array, "... size"], num_heads: int, head_dim: int, conv_kernel_size: int):
-    """A flat state (`[..., state_size]`) as `(recurrent [..., H, D, D], conv_tail [..., K-1, 3*H*D])`."""
-    lead = flat.shape[:-1]
-    split = num_heads * head_dim * head_dim
-    recurrent = flat[..., :split].reshape(*lead, num_heads, head_dim, head_dim)
-    tail = flat[..., split:].reshape(*lead, conv_kernel_size - 1, 3 * num_heads * head_dim)
-    return recurrent, tail
-
-
-def join_state(recurrent: Float[Array, "... H D D"], tail: Float[Array, "... Km1 C"]) -> Float[Array, "... size"]:
-    """The inverse of `split_state`."""
-    lead = recurrent.shape[:-3]
-    return jnp.concatenate([recurrent.reshape(*lead, -1), tail.reshape(*lead, -1)], axis=-1).astype(jnp.float32)
-
-
-def row_spans(cu_q_lens: Int[Array, " B1"], kv_lens: Int[Array, " B"]) -> tuple[Array, Array]:
-    """`(new tokens, start)` of each row; start = tokens computed before this step."""
-    lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    return lens, kv_lens - lens
-
-
-def read_states(state_pages, slot, state_page_ids, starts, num_heads: int, head_dim: int, conv_kernel_size: int):
-    """Each row's `(recurrent, conv_tail)` from its state page in layer slot `slot`; zeros where start is 0."""
-    flat = state_pages[slot, state_page_ids]
-    flat = jnp.where((starts > 0)[:, None], flat, 0.0)
-    return split_state(flat, num_heads, head_dim, conv_kernel_size)
-
-
-def write_states(state_pages, slot, state_page_ids, lens, recurrent, tail):
-    """Write each row's state into its page; rows without tokens (padding) write nothing."""
-    pages = jnp.where(lens > 0, state_page_ids, state_pages.shape[1])
-    return state_pages.at[slot, pages].set(join_state(recurrent, tail), mode="drop")
 
 
 def ragged_causal_conv(
@@ -110,21 +72,6 @@ def ragged_causal_conv(
     from_batch = x[jnp.clip(cu_q_lens[:-1, None] + source, 0, num_tokens - 1)]
     from_tail = jnp.take_along_axis(tails, jnp.clip(lens[:, None] + offsets[None, :], 0, kernel - 2)[..., None], 1)
     return y, jnp.where((source >= 0)[..., None], from_batch, from_tail)
-
-
-def delta_rule_step(state, q, k, v, g, beta):
-    """One token of the gated delta rule (any leading batch dims): decay, delta write, read.
-
-    `state [..., H, Dk, Dv]`, `q, k, g [..., H, Dk]`, `v [..., H, Dv]`, `beta [..., H]`; q already
-    normalised and scaled. Returns `(state, out [..., H, Dv])`. transformers' recurrence
-    `S = exp(g) S; S += k ((v - S^T k) beta)^T; o = S^T q`, read in one pass over the old state:
-    with a = exp(g), `S^T k = S_old^T (a k)` and `o = S_old^T (a q) + (k . q) delta`.
-    """
-    decay = jnp.exp(g)
-    read = jnp.einsum("...ij,...ci->...cj", state, jnp.stack([decay * k, decay * q], -2))
-    delta = (v - read[..., 0, :]) * beta[..., None]
-    out = read[..., 1, :] + jnp.sum(k * q, axis=-1, keepdims=True) * delta
-    return state * decay[..., None] + k[..., None] * delta[..., None, :], out
 
 
 def recurrent_delta_rule(q, k, v, g, beta, states, token_seq_ids, num_tokens, snapshot_of_token=None,

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
 from pallas_kernels import kda, kda_states
+from pallas_kernels.kda_recurrence import read_states, row_spans
 from pallas_kernels.ragged_paged_attention import _next_power_of_two
 
 # Tokens per chunk of the chunked kernel: the smallest dot a Triton kernel takes.
@@ -250,8 +251,8 @@ def kimi_delta_attention_kernel(
     width = num_heads * head_dim
     cu_q_lens, kv_lens, state_page_ids, token_seq_ids = (
         jnp.asarray(x, jnp.int32) for x in (cu_q_lens, kv_lens, state_page_ids, token_seq_ids))
-    lens, starts = kda.row_spans(cu_q_lens, kv_lens)
-    initial, old_tails = kda.read_states(state_pages, slot, state_page_ids, starts, num_heads, head_dim, kernel)
+    lens, starts = row_spans(cu_q_lens, kv_lens)
+    initial, old_tails = read_states(state_pages, slot, state_page_ids, starts, num_heads, head_dim, kernel)
     mixed, tails = kda.ragged_causal_conv(mixed_qkv, conv_weight, old_tails, cu_q_lens, token_seq_ids)
     mixed = jax.nn.silu(mixed)
     q, k, v = (mixed[:, i * width:(i + 1) * width].reshape(num_tokens, num_heads, head_dim) for i in range(3))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kda
+from pallas_kernels.kda_recurrence import delta_rule_step, join_state
 
 
 def tails_after(token_index, rows, old_tails, mixed_qkv, cu_q_lens):
@@ -41,7 +41,7 @@ def write_snapshots(state_pages, slot, save_tokens, save_pages, snapshots, old_t
     num_tokens = mixed_qkv.shape[0]
     rows = token_seq_ids[jnp.clip(save_tokens, 0, num_tokens - 1)]
     tails = tails_after(save_tokens, rows, old_tails, mixed_qkv, cu_q_lens)
-    return state_pages.at[slot, save_pages].set(kda.join_state(snapshots, tails), mode="drop")
+    return state_pages.at[slot, save_pages].set(join_state(snapshots, tails), mode="drop")
 
 
 def save_draft_states(state_pages, slot, draft_states, inputs, initial, old_tails, mixed_qkv, cu_q_lens):
@@ -63,8 +63,8 @@ def save_draft_states(state_pages, slot, draft_states, inputs, initial, old_tail
         row, token = rows[s], token_index[s]
 
         def step(states, pages):
-            state, _ = kda.delta_rule_step(states[row], q[token], k[token], v[token], g[token], beta[token])
-            pages = pages.at[slot, page_ids[s]].set(kda.join_state(state, tails[s]))
+            state, _ = delta_rule_step(states[row], q[token], k[token], v[token], g[token], beta[token])
+            pages = pages.at[slot, page_ids[s]].set(join_state(state, tails[s]))
             return states.at[row].set(state), pages
 
         return jax.lax.cond(page_ids[s] < num_pages, step, lambda states, pages: (states, pages), states, pages)

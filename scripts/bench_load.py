@@ -69,7 +69,7 @@ def child(args) -> None:
     from agentjax.config import EngineConfig
     from agentjax.models.params import expected_shapes
     from checkpoints.hf import load_hf
-    from checkpoints.lazy_tensors import READS
+    from checkpoints.lazy_reads import READS
     from sharding.streaming_load import load_params
 
     parallel = EngineConfig(**LAYOUTS[args.layout]).parallel

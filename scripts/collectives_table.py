@@ -1,5 +1,5 @@
 """Collectives per step of each parallel layout, per preset: read from the lowered step (tiny presets,
-on 8 virtual CPU devices) and from the shape formula (sharding/collective_formulas.py) for the
+on 8 virtual CPU devices) and from the shape formula (agentjax/bench/collective_formulas.py) for the
 full-size presets, whose steps are not lowered here. Writes the "Collectives per step" section of
 BENCHMARKS.md. The tiny rows are asserted equal to the formula before they are written.
 
@@ -19,10 +19,10 @@ from agentjax.kv.cache_layout import kv_buffer_specs  # noqa: E402
 from agentjax.models.presets import FULL_SIZE_PRESETS, PRESETS  # noqa: E402
 from scripts.benchmarks_md import write_section  # noqa: E402
 from sharding.attention import pcp_token_split  # noqa: E402
-from sharding.collective_formulas import expected_collectives  # noqa: E402
-from sharding.hlo_collectives import collectives_of  # noqa: E402
+from agentjax.bench.collective_formulas import expected_collectives  # noqa: E402
+from agentjax.bench.hlo_collectives import collectives_of  # noqa: E402
 from sharding.mesh import ParallelConfig, check_layout  # noqa: E402
-from sharding.step import lowered_step_text  # noqa: E402
+from agentjax.runner.sharded_step import lowered_step_text  # noqa: E402
 
 TP, DEP = dict(tensor_parallel_size=4), dict(data_parallel_size=8, enable_expert_parallel=True)
 TINY = [  # (preset, layout); each layout where it applies to the preset
@@ -105,8 +105,8 @@ def main() -> None:
         "Per step and per device: how many collectives of each kind one step runs and the bytes each",
         "moves (the all-reduced, reduce-scattered or all-to-all buffer, or the all-gathered result), summed",
         "over the step. Tiny presets: read from the lowered step of a prefill of two rows (37 + 9 tokens,",
-        "padded to 64) on 8 virtual CPU devices (`sharding/hlo_collectives.py`), each row checked equal to",
-        "the shape formula of `sharding/collective_formulas.py` (and in tests/sharding/test_collectives.py).",
+        "padded to 64) on 8 virtual CPU devices (`agentjax/bench/hlo_collectives.py`), each row checked equal to",
+        "the shape formula of `agentjax/bench/collective_formulas.py` (and in tests/bench/test_collectives.py).",
         "Full-size presets: the formula on their abstract shapes (steps of that size are not lowered here).",
         "Layout names: tpN tensor parallel, depN data + expert parallel, dcpN decode context parallel inside",
         "the TP group, pcpN prefill context parallel. float32 tiny presets, bfloat16 full-size.",

@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import functools
 
-
-def _helpers():
-    from device_check import _relative_error, _timed
-
-    return _relative_error, _timed
+from device_check_measure import relative_error, timed
 
 
 def _shapes(dry: bool) -> dict:
@@ -138,7 +134,6 @@ def check_dsv4_indexer_attention(rec, dry: bool, context: dict) -> bool:
     import jax.numpy as jnp
     import numpy as np
 
-    relative_error, timed = _helpers()
     shapes = _shapes(dry)
     rng = np.random.default_rng(14)
     rec.record(shapes=shapes)

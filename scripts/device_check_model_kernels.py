@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import functools
 
-
-def _helpers():
-    from device_check import _relative_error, _timed
-
-    return _relative_error, _timed
+from device_check_measure import relative_error, timed
 
 
 def _fraction_of_copy(context: dict, gb_per_s: float):
@@ -49,7 +45,6 @@ def check_mla_decode(rec, dry: bool, context: dict) -> bool:
 
     from pallas_kernels import mla_attention as mla
 
-    relative_error, timed = _helpers()
     heads, value_dim, rope_dim, page_size, dtype = (3, 16, 8, 4, jnp.float32) if dry else (
         96, 512, 64, 64, jnp.bfloat16)
     tolerance = 1e-4 if dry else 2e-2
@@ -108,7 +103,7 @@ def _kda_step(rows, heads, dim, rng, *, kernel=4):
     import numpy as np
 
     from agentjax.ragged_batch import RaggedBatch
-    from pallas_kernels import kda
+    from pallas_kernels.kda_recurrence import state_size
 
     pages = rng.permutation(np.arange(1, len(rows) + 1))
     batch = RaggedBatch.build([([0] * new, done, [int(p)]) for (new, done), p in zip(rows, pages)], 16,
@@ -119,7 +114,7 @@ def _kda_step(rows, heads, dim, rng, *, kernel=4):
         jnp.asarray(-np.exp(rng.uniform(np.log(1e-3), np.log(4.6), size=(tokens, heads, dim))), jnp.float32),
         jnp.asarray(rng.uniform(size=(tokens, heads)), jnp.float32),
         jnp.asarray(rng.normal(size=(channels, kernel)) * 0.5, jnp.float32),
-        jnp.asarray(rng.normal(size=(1, len(rows) + 1, kda.state_size(heads, dim, kernel))) * 0.3, jnp.float32),
+        jnp.asarray(rng.normal(size=(1, len(rows) + 1, state_size(heads, dim, kernel))) * 0.3, jnp.float32),
         batch.cu_q_lens, batch.kv_lens, batch.page_indices[0][:, 0],
     )
     return batch, inputs
@@ -134,7 +129,6 @@ def check_kda_scan_and_decode(rec, dry: bool, context: dict) -> bool:
     from pallas_kernels import kda
     from pallas_kernels.kda_kernels import kimi_delta_attention_kernel
 
-    relative_error, timed = _helpers()
     heads, dim = (2, 16) if dry else (32, 128)
     rng = np.random.default_rng(12)
     cases = {
@@ -178,7 +172,6 @@ def check_block_sparse_indexer_attention(rec, dry: bool, context: dict) -> bool:
     from pallas_kernels import block_sparse_attention as bsa
     from pallas_kernels import block_sparse_attention_kernels as kernels
 
-    relative_error, timed = _helpers()
     if dry:
         heads, kv_heads, index_heads, dim, block, topk, page_size, dtype = 4, 2, 2, 16, 4, 3, 4, jnp.float32
     else:

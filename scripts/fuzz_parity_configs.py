@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 import dsv4_fixtures
-import make_model_fixtures
+import fixture_weights
 
 FAMILIES = ("deepseek-v4", "kimi-linear", "minimax-m3")
 # Fuzzed configs that exposed a bug, kept as test fixtures (scripts/make_model_fixtures.py writes them to
@@ -173,7 +173,7 @@ def _special(family: str, name: str, shape: tuple, gen: torch.Generator, experts
     gemma = family == "minimax-m3"
 
     def common(n, s, g):
-        return make_model_fixtures._random_value(n, s, g, gemma_norms=gemma, lm_head_gain=2.0)
+        return fixture_weights.random_value(n, s, g, gemma_norms=gemma, lm_head_gain=2.0)
 
     if family == "deepseek-v4":
         if leaf in ("tid2eid", "position_bias") or len(shape) == 1:
@@ -199,7 +199,7 @@ def _config(d: Draw):
 
     if d.wrapper:
         vocab = d.fields["vocab_size"]
-        config = MiniMaxM3VLConfig(text_config=d.fields, vision_config=make_model_fixtures.TINY_VISION,
+        config = MiniMaxM3VLConfig(text_config=d.fields, vision_config=fixture_weights.TINY_VISION,
                                    projector_hidden_size=32, image_token_index=vocab - 2, video_token_index=vocab - 1)
         return config, MiniMaxM3SparseForConditionalGeneration, "language_model.model."
     return MiniMaxM3VLTextConfig(**d.fields), MiniMaxM3VLForCausalLM, "model."
@@ -222,12 +222,12 @@ def build(d: Draw):
     extra = {}
     if d.mtp and d.family == "deepseek-v4":
         def common(n, s, g):
-            return make_model_fixtures._random_value(n, s, g, gemma_norms=False, lm_head_gain=2.0)
+            return fixture_weights.random_value(n, s, g, gemma_norms=False, lm_head_gain=2.0)
 
         extra = {n: dsv4_fixtures.random_value(n, s, gen, experts, common)
                  for n, s in sorted(dsv4_fixtures.mtp_tensor_shapes(config).items())}
     elif d.mtp and d.family == "minimax-m3":
         text = dict(d.fields)
-        extra = {n: make_model_fixtures._random_value(n, s, gen, gemma_norms=True, lm_head_gain=2.0)
-                 for n, s in sorted(make_model_fixtures.mtp_tensor_shapes(text, prefix).items())}
+        extra = {n: fixture_weights.random_value(n, s, gen, gemma_norms=True, lm_head_gain=2.0)
+                 for n, s in sorted(fixture_weights.mtp_tensor_shapes(text, prefix).items())}
     return model, cls, extra

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentjax.bench.agentx import DEFAULT_TRACES, AgentxConfig, load_sessions  # noqa: E402
-from agentjax.bench.costmodel import Layout  # noqa: E402
+from agentjax.bench.cost_terms import Layout  # noqa: E402
 from agentjax.bench.gpus import get_device  # noqa: E402
 from agentjax.bench.model_shapes import get_shape  # noqa: E402
 from agentjax.bench.planner import SaturationPlan, pd_sweep, plot_points, saturation  # noqa: E402

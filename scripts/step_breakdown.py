@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentjax.bench.costmodel import PROJECTION, CostModel, Layout  # noqa: E402
+from agentjax.bench.cost_terms import PROJECTION, Layout  # noqa: E402
+from agentjax.bench.costmodel import CostModel  # noqa: E402
 from agentjax.bench.gpus import get_device  # noqa: E402
 from agentjax.bench.model_shapes import get_shape  # noqa: E402
 from agentjax.bench.speculation import default_speculation  # noqa: E402

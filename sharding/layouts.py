@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agentjax.errors import ParallelLayoutError
+from agentjax.kv.cache_layout import kv_buffer_specs
 from sharding.mesh import ParallelConfig, axes
 
 
@@ -235,3 +236,8 @@ def _replace(config, **changes):
     import dataclasses
 
     return dataclasses.replace(config, **changes)
+
+
+def local_kv_buffer_specs(cfg, parallel: ParallelConfig, page_size: int):
+    """The KV buffers one device holds (`kv_buffer_specs` of the local model, at a rank's page size)."""
+    return kv_buffer_specs(local_model_config(cfg, parallel), page_size // parallel.decode_context_parallel_size)

@@ -51,11 +51,11 @@ def kv_bytes_per_device(model_cfg, engine_cfg) -> int:
     from sharding.layouts import local_model_config
 
     if layout.mode == "pool":
-        from agentjax.kv.layout import local_layout
+        from agentjax.kv.layout_build import local_layout
 
         local_cfg = local_model_config(model_cfg, parallel)
         return local_layout(layout, local_cfg, parallel.decode_context_parallel_size).total_bytes
-    from sharding.step import local_kv_buffer_specs
+    from sharding.layouts import local_kv_buffer_specs
 
     page_tokens = parallel.kv_page_tokens(engine_cfg.block_size)
     return layout.num_slabs * sum(spec.bytes_per_page for spec in local_kv_buffer_specs(model_cfg, parallel, page_tokens))

@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from agentjax.models.quantized import StoredWeight
-from checkpoints.lazy_tensors import READS, Index, region_shape
+from checkpoints.lazy_reads import READS
+from checkpoints.lazy_tensors import Index, region_shape
 from sharding.memory_check import check_memory
 from sharding.weight_placement import ParamPlacement, logical_device_index, place_plan
 

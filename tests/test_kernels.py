@@ -12,12 +12,12 @@ from flax import nnx
 
 from agentjax import kernels
 from agentjax.cli import _engine_args, build_parser
-from agentjax.config import EngineConfig
+from agentjax.config import EngineConfig, MoEConfig
 from agentjax.errors import InvalidRequestError
 from agentjax.engine import Engine
 from agentjax.models import load_model
 from agentjax.models.presets import PRESETS
-from agentjax.models.moe import MoE, MoEConfig
+from agentjax.models.moe import MoE
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.sampling_params import SamplingParams
 from pallas_kernels.moe_grouped_matmul import quantize_mxfp4

@@ -160,7 +160,7 @@ class KVTerm:
 
 def engine_kv_terms(cfg, block_size: int = 16, memory_bytes: int = 100 << 30) -> tuple[KVTerm, ...]:
     """The KV terms of a `ModelConfig` by the engine's "pool" layout of `memory_bytes`."""
-    from agentjax.kv.layout import build_layout
+    from agentjax.kv.layout_build import build_layout
 
     layout = build_layout(cfg, block_size, memory_bytes=memory_bytes)
     heads = {"kv": cfg.num_kv_heads, "state": cfg.kda.num_heads if cfg.kda is not None else 1}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from agentjax.bench.costmodel import GPU_QUERY_TILE, PROJECTION, Layout, StepCost
+from agentjax.bench.cost_terms import GPU_QUERY_TILE, PROJECTION, Layout, StepCost
 
 
 def split_microbatches(rows: Sequence[tuple[int, int]], pieces: int) -> list[list[tuple[int, int]]]:

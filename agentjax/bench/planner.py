@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from agentjax.bench.agentx import AgentxConfig
 from agentjax.bench.cost import SECONDS_PER_HOUR, ApiPrices, api_cost
-from agentjax.bench.costmodel import PROJECTION, Layout
+from agentjax.bench.cost_terms import PROJECTION, Layout
 from agentjax.bench.gpus import DeviceSpec
 from agentjax.bench.model_shapes import ModelShape
 from agentjax.bench.sim_offload import OffloadPlan

@@ -22,7 +22,8 @@ from typing import Any
 from agentjax.bench.agentx import AgentxConfig, AgentxRun, load_sessions
 from agentjax.bench.backends import EngineBackend
 from agentjax.bench.cost import compare_costs
-from agentjax.bench.costmodel import PROJECTION, CostModel, Layout
+from agentjax.bench.cost_terms import PROJECTION, Layout
+from agentjax.bench.costmodel import CostModel
 from agentjax.bench.gpus import DeviceSpec
 from agentjax.bench.model_shapes import ModelShape
 from agentjax.bench.sim_clock import StepTimer, VirtualClock, VirtualRunner, VirtualTimeLoop

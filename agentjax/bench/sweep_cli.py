@@ -149,7 +149,7 @@ def assumptions(shape, device, engine, agentx, padded: bool = True, speculation=
 def cmd_simulate(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from agentjax.bench.costmodel import Layout
+    from agentjax.bench.cost_terms import Layout
     from agentjax.bench.metrics import format_table, write_summary
     from agentjax.bench.simulator import SimTarget, simulate_agentx
 

@@ -7,7 +7,8 @@ from agentjax.kv.eviction import EvictionOrder, LRUEvictionOrder
 from agentjax.kv.pinned_order import PinnedEvictionOrder
 from agentjax.kv.events import BlockRemoved, BlockStored, KVEvent
 from agentjax.kv.hashing import block_hashes, hash_block_tokens, root_hash
-from agentjax.kv.layout import KVMemoryLayout, build_layout
+from agentjax.kv.layout import KVMemoryLayout
+from agentjax.kv.layout_build import build_layout
 from agentjax.kv.manager import KVCacheManager
 from agentjax.kv.policies import BeladyPolicy, HintAwarePolicy, LRUPolicy, MarconiPolicy, make_policy
 from agentjax.kv.policy import KVPolicy, PagePolicy, TurnEnd

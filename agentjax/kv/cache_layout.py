@@ -7,6 +7,7 @@ slot is its index inside its group. The runner allocates one buffer per group,
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -273,3 +274,10 @@ def state_group_ids(cfg) -> tuple[int, ...]:
     """Groups whose pages hold one recurrent state each (their batch table is the running state page)."""
     tensors = kv_tensors(cfg)
     return tuple(g for g, (spec, _) in enumerate(group_layers([t.spec for t in tensors])) if spec.hit_rule == "checkpoint")
+
+
+def specs_from_model_config(cfg, checkpoint_interval: int = 64, owner: int = 0) -> list[KVSpec]:
+    """The spec of every KV tensor of an `agentjax.config.ModelConfig`, in layer order
+    (`kv_tensors` says which layer and role each belongs to), marked `owner`."""
+    specs = [tensor.spec for tensor in kv_tensors(cfg, checkpoint_interval)]
+    return [dataclasses.replace(spec, owner=owner) for spec in specs] if owner else specs

@@ -6,13 +6,16 @@ sizing from `kv_cache_memory_gb`, the KV metrics, the offload tiers' page bytes 
 one page group, every window and state kind is a group of its own; device memory is one array of
 slabs, each owned by one group at a time and carved into its pages. "shared": one group per kind and
 every page id spans a page of every kind (the layout of `ModelConfig.new_kv_pages`).
-Host only: never imports jax.
+`build_layout` and a device's part, `local_layout`, are in agentjax/kv/layout_build.py. Host only: never
+imports jax.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from agentjax.errors import InvalidRequestError
 from agentjax.kv.cache_layout import dtype_bytes
 from agentjax.kv.specs import KVGroup, KVGroupPlan, KVSpec, plan_groups
 
@@ -129,9 +132,33 @@ class KVMemoryLayout:
 
     def with_slabs(self, num_slabs: int) -> "KVMemoryLayout":
         """The same geometry over `num_slabs` slabs (the id ranges follow)."""
-        from agentjax.kv.layout_build import with_slabs
+        if self.mode == "shared":
+            groups = tuple(dataclasses.replace(g, num_ids=num_slabs) for g in self.groups)
+            return dataclasses.replace(self, num_slabs=num_slabs, groups=groups)
+        groups, base = [], 0
+        for g in self.groups:
+            groups.append(dataclasses.replace(g, id_base=base, num_ids=num_slabs * g.pages_per_slab))
+            base += num_slabs * g.pages_per_slab
+        result = dataclasses.replace(self, num_slabs=num_slabs, groups=tuple(groups))
+        result._check_int32()
+        return result
 
-        return with_slabs(self, num_slabs)
+    def _check_int32(self) -> None:
+        """Cells, the flat rows kernels index and the batch's slot numbers (page id x tokens per page) must
+        stay within int32 (no byte offsets ever exist)."""
+        for g in self.groups:
+            if (g.id_base + g.num_ids) * g.tokens_per_page > INT32_LIMIT:
+                raise InvalidRequestError(f"a KV pool of {self.total_bytes / 2**30:.1f} GiB has {g.id_base + g.num_ids} "
+                                          "page ids, past int32 slot numbers; use a larger block_size or less memory")
+        total_words = self.num_slabs * self.slab_words
+        for k in self.kinds:
+            cells = total_words // k.cell_words
+            rows = cells * (k.cell_shape[0] if k.cell_shape and len(k.cell_shape) > 1 else 1)
+            if rows > INT32_LIMIT:
+                raise InvalidRequestError(
+                    f"a KV pool of {self.total_bytes / 2**30:.1f} GiB has {rows} rows of its {k.role} kind, past "
+                    "int32 indexing; use several devices (tensor or decode context parallelism) or a smaller "
+                    "kv_cache_memory_gb")
 
     # -- the manager's plan ----------------------------------------------------------------------------
     def manager_plan(self) -> KVGroupPlan:
@@ -201,20 +228,3 @@ class KVMemoryLayout:
             seen[name] = seen.get(name, 0) + 1
             unique.append(name if names.count(name) == 1 else f"{name}.{seen[name] - 1}")
         return tuple(unique)
-
-
-def build_layout(cfg, block_size: int, **options) -> KVMemoryLayout:
-    """The layout of `cfg` with `block_size`-token hash blocks (agentjax/kv/layout_build.py): sized by
-    `memory_bytes=` or `num_pages=` (the bytes of that many "shared" page ids), `mode=` "pool" or
-    "shared", with a speculative-decoding `draft_cfg=` and a recurrent `checkpoint_interval=`."""
-    from agentjax.kv.layout_build import build_layout as build
-
-    return build(cfg, block_size, **options)
-
-
-def local_layout(layout: KVMemoryLayout, local_cfg, dcp: int = 1) -> KVMemoryLayout:
-    """One device's part of a "pool" layout in a parallel layout (agentjax/kv/layout_build.py)."""
-    from agentjax.kv.layout_build import local_layout as local
-
-    return local(layout, local_cfg, dcp)
-

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.cache_layout import (DEFAULT_CHECKPOINT_TOKENS, checkpoint_tokens, cost_aware_checkpoint_tokens,
                                       dtype_bytes, kind_cell, kv_tensors)
-from agentjax.kv.layout import (INT32_LIMIT, LAYOUT_MODES, MIN_SLABS, REFERENCE_CONTEXT, GroupLayout, KindLayout,
+from agentjax.kv.layout import (LAYOUT_MODES, MIN_SLABS, REFERENCE_CONTEXT, GroupLayout, KindLayout,
                                 KVMemoryLayout)
 from agentjax.kv.specs import KVSpec, PackedSpec, group_layers
 
@@ -192,7 +192,7 @@ def _pool_layout(cfg, kinds: list[_Kind], tensor_kinds, block_size: int, interva
                                          token_count, pages[g], per_slab[g], 0, 0))
     layout = KVMemoryLayout("pool", cfg.dtype, block_size, num_slabs, slab, tuple(kind_layouts),
                             tuple(group_layouts), tensor_kinds)
-    return with_slabs(layout, num_slabs)
+    return layout.with_slabs(num_slabs)
 
 
 def local_layout(layout: KVMemoryLayout, local_cfg, dcp: int = 1) -> KVMemoryLayout:
@@ -242,21 +242,6 @@ def _planes_for_counts(kinds, members: list[list[int]], cells, counts: list[int]
         end = max(end, max(offsets[i] + count * len(kinds[i].layers) * cells[i][2] for i in group))
     unit = math.lcm(*(c[2] for c in cells.values()))
     return planes, -(-end // unit) * unit
-
-
-def with_slabs(layout: KVMemoryLayout, num_slabs: int) -> KVMemoryLayout:
-    import dataclasses
-
-    if layout.mode == "shared":
-        groups = tuple(dataclasses.replace(g, num_ids=num_slabs) for g in layout.groups)
-        return dataclasses.replace(layout, num_slabs=num_slabs, groups=groups)
-    groups, base = [], 0
-    for g in layout.groups:
-        groups.append(dataclasses.replace(g, id_base=base, num_ids=num_slabs * g.pages_per_slab))
-        base += num_slabs * g.pages_per_slab
-    result = dataclasses.replace(layout, num_slabs=num_slabs, groups=tuple(groups))
-    _check_int32(result)
-    return result
 
 
 def _reference_weights(kinds, members, tokens, pages) -> list[float]:
@@ -314,20 +299,3 @@ def _slab_geometry(kinds, members, cells, pages, weights, memory_words: int):
     if best is None:
         raise InvalidRequestError("no slab size holds a page of every KV page group")
     return best[1], best[2], best[3]
-
-
-def _check_int32(layout: KVMemoryLayout) -> None:
-    """Cells, the flat rows kernels index and the batch's slot numbers (page id x tokens per page) must
-    stay within int32 (no byte offsets ever exist)."""
-    for g in layout.groups:
-        if (g.id_base + g.num_ids) * g.tokens_per_page > INT32_LIMIT:
-            raise InvalidRequestError(f"a KV pool of {layout.total_bytes / 2**30:.1f} GiB has {g.id_base + g.num_ids} "
-                                      "page ids, past int32 slot numbers; use a larger block_size or less memory")
-    total_words = layout.num_slabs * layout.slab_words
-    for k in layout.kinds:
-        cells = total_words // k.cell_words
-        rows = cells * (k.cell_shape[0] if k.cell_shape and len(k.cell_shape) > 1 else 1)
-        if rows > INT32_LIMIT:
-            raise InvalidRequestError(
-                f"a KV pool of {layout.total_bytes / 2**30:.1f} GiB has {rows} rows of its {k.role} kind, past int32 "
-                "indexing; use several devices (tensor or decode context parallelism) or a smaller kv_cache_memory_gb")

@@ -49,7 +49,8 @@ from agentjax.kv.manager_reads import CapacityReadsMixin
 from agentjax.kv.manager_states import RecurrentStateMixin
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
 from agentjax.kv.slab_pool import SlabPool
-from agentjax.kv.specs import FullAttentionSpec, KVGroupPlan, KVSpec, plan_groups, specs_from_model_config
+from agentjax.kv.cache_layout import specs_from_model_config
+from agentjax.kv.specs import FullAttentionSpec, KVGroupPlan, KVSpec, plan_groups
 from agentjax.kv.state_saves import cache_saves
 from agentjax.kv.turn_ends import TurnEnds, branch_point, save_branch_state, takes_turn_ends
 

@@ -290,14 +290,3 @@ def plan_groups(layer_specs: Sequence[KVSpec], block_size: int, scale_tokens_per
             used = len(layers) * spec.bytes_for_tokens(tokens)
         groups.append(KVGroup(group_id, spec, layers, tokens, used))
     return KVGroupPlan(tuple(groups), page_bytes, block_size)
-
-
-def specs_from_model_config(cfg, checkpoint_interval: int = 64, owner: int = 0) -> list[KVSpec]:
-    """The spec of every KV tensor of an `agentjax.config.ModelConfig`, in layer order
-    (`agentjax.kv.cache_layout.kv_tensors` says which layer and role each belongs to), marked `owner`."""
-    import dataclasses
-
-    from agentjax.kv.cache_layout import kv_tensors
-
-    specs = [tensor.spec for tensor in kv_tensors(cfg, checkpoint_interval)]
-    return [dataclasses.replace(spec, owner=owner) for spec in specs] if owner else specs

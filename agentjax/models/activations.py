@@ -12,11 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from agentjax.errors import ModelLoadError, UnsupportedModelError
+from agentjax.layer_configs import check_gated_activation
 
-# silu: llama's SwiGLU. gelu_tanh: Gemma's GeGLU. swigluoai: MiniMax-M3's clamped SwiGLU.
-# situ: Kimi-K3's SiTU-GLU. clamped_swiglu: DeepSeek-V4's SwiGLU with clamped inputs.
-GATED_ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai", "situ", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -40,16 +37,7 @@ class GatedActivation:
     situ_linear_beta: float | None = 25.0
 
     def __post_init__(self) -> None:
-        if self.kind not in GATED_ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"gated activation {self.kind!r} is not supported; expected one of {GATED_ACTIVATIONS}"
-            )
-        positive = {"swiglu_limit": self.swiglu_limit, "situ_beta": self.situ_beta}
-        if self.situ_linear_beta is not None:
-            positive["situ_linear_beta"] = self.situ_linear_beta
-        for name, value in positive.items():
-            if not value > 0:
-                raise ModelLoadError(f"{name} must be > 0, got {value}")
+        check_gated_activation(self.kind, self.swiglu_limit, self.situ_beta, self.situ_linear_beta)
 
     def __call__(self, gate: Float[Array, "*rows n"], up: Float[Array, "*rows n"]) -> Float[Array, "*rows n"]:
         dtype = gate.dtype

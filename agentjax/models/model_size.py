@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from flax import nnx
 
 from agentjax.config import ModelConfig
-from agentjax.kv.cache_layout import required_page_tokens
-from agentjax.kv.specs import plan_groups, specs_from_model_config
+from agentjax.kv.cache_layout import required_page_tokens, specs_from_model_config
+from agentjax.kv.specs import plan_groups
 from agentjax.models.params import abstract_model
 
 

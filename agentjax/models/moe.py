@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -66,12 +65,13 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from agentjax import kernels
-from agentjax.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from agentjax.errors import InvalidRequestError
+from agentjax.layer_configs import MoEConfig
 from agentjax.models.activations import GatedActivation
 from agentjax.models.layers import dense, map_row_blocks
 from agentjax.models.quantized import grouped_operand, take_experts
 
-# Router scores from logits (names as HF configs spell them).
+# Router scores from logits, one per name of `MOE_SCORINGS` (names as HF configs spell them).
 SCORING_FUNCTIONS = {
     "softmax": lambda logits: jax.nn.softmax(logits, axis=-1),
     "sigmoid": jax.nn.sigmoid,
@@ -83,81 +83,10 @@ SCORING_FUNCTIONS = {
 _RENORMALIZE_EPSILON = 1e-20
 
 
-@dataclass(frozen=True)
-class MoEConfig:
-    """One MoE layer's routing and expert shapes (see the module docstring for HF field names)."""
-
-    num_experts: int
-    num_experts_per_token: int
-    expert_intermediate_size: int
-    num_shared_experts: int = 0
-    # Width of the shared experts as one MLP; None: expert_intermediate_size * num_shared_experts.
-    shared_intermediate_size: int | None = None
-    scoring: str = "softmax"
-    use_routing_bias: bool = False
-    num_expert_groups: int = 1
-    topk_groups: int = 1
-    renormalize: bool = True
-    routed_scaling_factor: float = 1.0
-    activation: str = "silu"
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    situ_beta: float = 4.0
-    situ_linear_beta: float | None = 25.0
-    # Kimi-K3's latent MoE: routed experts run at this width (None: at the hidden size).
-    latent_size: int | None = None
-    latent_norm: bool = False
-    norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.scoring not in SCORING_FUNCTIONS:
-            raise UnsupportedModelError(
-                f"MoE scoring {self.scoring!r} is not supported; expected one of {tuple(SCORING_FUNCTIONS)}"
-            )
-        _ = self.gated_activation  # raises on an unknown activation or a bad constant
-        at_least_one = ("num_experts", "num_experts_per_token", "expert_intermediate_size",
-                        "num_expert_groups", "topk_groups")
-        for name in at_least_one:
-            if getattr(self, name) < 1:
-                raise ModelLoadError(f"MoE {name} must be >= 1, got {getattr(self, name)}")
-        if self.num_shared_experts < 0:
-            raise ModelLoadError(f"MoE num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        if self.num_shared_experts and self.shared_size < 1:
-            raise ModelLoadError(f"MoE shared_intermediate_size must be >= 1, got {self.shared_size}")
-        groups = self.num_expert_groups
-        if self.num_experts % groups:
-            raise ModelLoadError(f"MoE num_expert_groups={groups} must divide num_experts={self.num_experts}")
-        if self.topk_groups > groups:
-            raise ModelLoadError(f"MoE topk_groups must be in [1, {groups}], got {self.topk_groups}")
-        if groups > 1 and self.num_experts // groups < 2:
-            raise ModelLoadError(
-                f"MoE grouped top-k scores a group by its two best experts; num_experts={self.num_experts} "
-                f"over num_expert_groups={groups} leaves {self.num_experts // groups}"
-            )
-        choosable = self.topk_groups * (self.num_experts // groups)
-        if self.num_experts_per_token > choosable:
-            raise ModelLoadError(
-                f"MoE num_experts_per_token must be in [1, {choosable}] (experts in the topk_groups best "
-                f"groups), got {self.num_experts_per_token}"
-            )
-        if self.latent_size is not None and self.latent_size < 1:
-            raise ModelLoadError(f"MoE latent_size must be >= 1 or None, got {self.latent_size}")
-        if self.latent_norm and self.latent_size is None:
-            raise ModelLoadError("MoE latent_norm needs a latent_size")
-
-    @property
-    def shared_size(self) -> int:
-        """Intermediate width of the shared experts taken together (0 without shared experts)."""
-        if not self.num_shared_experts:
-            return 0
-        if self.shared_intermediate_size is not None:
-            return self.shared_intermediate_size
-        return self.expert_intermediate_size * self.num_shared_experts
-
-    @property
-    def gated_activation(self) -> GatedActivation:
-        return GatedActivation(self.activation, self.swiglu_alpha, self.swiglu_limit,
-                               self.situ_beta, self.situ_linear_beta)
+def gated_activation(config: MoEConfig) -> GatedActivation:
+    """The experts' gated activation with the config's constants."""
+    return GatedActivation(config.activation, config.swiglu_alpha, config.swiglu_limit,
+                           config.situ_beta, config.situ_linear_beta)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> Array:
@@ -239,7 +168,7 @@ class RoutedExperts(nnx.Module):
         experts, inner = config.num_experts, config.expert_intermediate_size
         self.gate_up_proj = nnx.Param(_normal(rngs, (experts, input_size, 2 * inner), dtype, input_size))
         self.down_proj = nnx.Param(_normal(rngs, (experts, inner, input_size), dtype, inner))
-        self.activation = config.gated_activation
+        self.activation = gated_activation(config)
         self.num_experts = experts
         self.impl = impl
 
@@ -332,7 +261,7 @@ class MoE(nnx.Module):
             self.latent_up_proj = nnx.Param(_normal(rngs, (expert_width, hidden_size), dtype, expert_width))
         self.experts = RoutedExperts(expert_width, config, dtype=dtype, rngs=rngs, impl=impl)
         if config.num_shared_experts:
-            self.shared_experts = GatedFeedForward(hidden_size, config.shared_size, config.gated_activation,
+            self.shared_experts = GatedFeedForward(hidden_size, config.shared_size, gated_activation(config),
                                                    dtype=dtype, rngs=rngs)
         self.config = config
 

@@ -25,8 +25,10 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.config import ModelConfig
 from agentjax.errors import ModelConfigError
+from agentjax.models.decoder_block import DecoderBlock
 from agentjax.models.layer_plan import LayerKind
 from agentjax.models.layers import Linear, RMSNorm
+from agentjax.models.residual import HyperHead
 
 # The MiniMax-M3 MTP layer's KV roles (DeepSeek-V4's are those of a swa_mqa layer).
 MTP_KV_ROLES = ("index", "kv")
@@ -94,8 +96,6 @@ class MTPModule(nnx.Module):
     and `final_norm`; checkpoint names `mtp.{index}.<...>`."""
 
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
-        from agentjax.models.decoder import DecoderBlock  # the decoder builds this module: import late
-
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(hidden, eps=eps, dtype=cfg.dtype)
         self.hnorm = RMSNorm(hidden, eps=eps, dtype=cfg.dtype)
@@ -131,9 +131,6 @@ class HyperConnectedMTPModule(nnx.Module):
     `mtp.{index}.<...>` (upstream `mtp.{k}.{enorm,hnorm,e_proj,h_proj,norm,hc_head_*,attn,ffn,...}`)."""
 
     def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
-        from agentjax.models.decoder import DecoderBlock  # the decoder builds this module: import late
-        from agentjax.models.residual import HyperHead
-
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(hidden, eps=eps, dtype=cfg.dtype)
         self.hnorm = RMSNorm(hidden, eps=eps, dtype=cfg.dtype)

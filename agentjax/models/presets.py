@@ -5,9 +5,8 @@ Presets reuse the embedded model's vocabulary size so the embedded tokenizer ser
 from __future__ import annotations
 
 from agentjax.config import (BlockSparseConfig, CompressedAttentionConfig, HyperConnectionConfig, KDAConfig, MLAConfig,
-                             ModelConfig, RopeScaling)
+                             ModelConfig, MoEConfig, RopeScaling)
 from agentjax.errors import ModelLoadError
-from agentjax.models.moe import MoEConfig
 
 SMOLLM2_VOCAB = 49152
 

@@ -6,7 +6,7 @@
 for nothing gets neutral inputs: an all-allowed bitmask, an empty penalty table, padding prompt
 positions) with tables padded to the widest rank's, runs the sharded step once, and hands each rank
 its tokens and, where it asked, the same dict `ModelRunner.execute_extended` returns. Host-side glue:
-the step itself is sharding/step.py's, which runs the single-device sampler on each rank's rows.
+the step itself is agentjax/runner/sharded_step.py's, which runs the single-device sampler on each rank's rows.
 """
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def page_mover(model_cfg, page_size: int, runner=None, kv_layout=None):
     devices = runner.parallel.num_devices
     if pooled:
         return ShardedPoolPageMover(sharded.local_kv_layout(kv_layout), devices, *shardings)
-    from sharding.step import local_kv_buffer_specs
+    from sharding.layouts import local_kv_buffer_specs
 
     return ShardedBufferPageMover(local_kv_buffer_specs(model_cfg, runner.parallel, runner.page_size), devices,
                                   *shardings)

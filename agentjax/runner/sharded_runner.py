@@ -1,7 +1,7 @@
 """The device side of a parallel layout: the model runner over a mesh of devices (sharding/).
 
 `ShardedModelRunner` is `ModelRunner` with the parameters laid out by the layout's rules, one KV
-buffer per device, and the shard_map step of sharding/step.py; the host side (rows, sampling, page
+buffer per device, and the shard_map step of agentjax/runner/sharded_step.py; the host side (rows, sampling, page
 copies) is the single-device runner's. Its `page_size` is the effective page the KV manager counts
 (block_size x DCP). `execute_ranks` runs one step for several data-parallel ranks at once (each its
 own rows; an idle rank a dummy row), which is how DP/DEP ranks step in lockstep.
@@ -33,7 +33,7 @@ def make_model_runner(cfg: ModelConfig, params, num_pages: int, engine_cfg: Engi
                       drafting=None, kv_layout=None) -> ModelRunner:
     """The runner an engine's settings ask for (after `sharding.mesh.check_layout`); `drafting` (a device
     drafter of speculative decoding) runs on one device only; `kv_layout` places the KV memory."""
-    from sharding.distributed import distributed_runner
+    from agentjax.runner.distributed import distributed_runner
 
     parallel = engine_cfg.parallel
     page_size = parallel.kv_page_tokens(engine_cfg.block_size)
@@ -66,7 +66,7 @@ class ShardedModelRunner(ModelRunner):
                  logprobs_mode: str = "raw_logprobs", *, parallel, devices=None, kv_layout=None):
         from sharding.mesh import build_mesh
         from sharding.modules import place_parameters, specs_of
-        from sharding.step import ShardedStep
+        from agentjax.runner.sharded_step import ShardedStep
 
         enable_compilation_cache()
         if page_size % parallel.decode_context_parallel_size:
@@ -193,7 +193,7 @@ class ShardedModelRunner(ModelRunner):
 
 
 def _stacked(trees: list):
-    from sharding.step import stack_for_data
+    from agentjax.runner.sharded_step import stack_for_data
 
     return stack_for_data(trees)
 

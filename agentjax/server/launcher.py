@@ -109,7 +109,7 @@ def cmd_serve(args: argparse.Namespace, engine_args: dict) -> int:
     config = engine_config_from_args(args, engine_args)
     started = time.perf_counter()
     if config.num_processes > 1:
-        from sharding.distributed import initialize
+        from agentjax.runner.distributed import initialize
 
         initialize(config)  # before any device is used
     model_cfg, params, tokenizer = load_model(args.model, quantization=config.quantization, engine_config=config)
@@ -156,7 +156,7 @@ def warm_up_engine(engine, level: str) -> None:
 
 def follow_driver(engine, config) -> int:
     """A process other than 0 serves no HTTP: it repeats process 0's steps until that one stops."""
-    from sharding.distributed import follow
+    from agentjax.runner.distributed import follow
 
     logger.warning("process %d of %d: following process 0's steps", config.process_id, config.num_processes)
     message = follow(engine.runner)

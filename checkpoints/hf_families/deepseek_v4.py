@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from agentjax.config import HyperConnectionConfig, ModelConfig
+from agentjax.config import HyperConnectionConfig, ModelConfig, MoEConfig
 from agentjax.errors import ModelConfigError, TensorMismatchError
 from checkpoints.hf_config import ConfigFields
 from checkpoints.hf_families import HFFamily
@@ -53,8 +53,6 @@ def model_config(fields: ConfigFields) -> ModelConfig:
     if not fields.boolean("norm_topk_prob", True):
         logger.warning("%s: norm_topk_prob=false is ignored (as transformers does): DeepSeek-V4's routers always "
                        "renormalise the chosen experts' weights", fields.source)
-    from agentjax.models.moe import MoEConfig
-
     moe = MoEConfig(
         num_experts=fields.integer("n_routed_experts", fields.raw.get("num_local_experts") or DEFAULTS["n_routed_experts"]),
         num_experts_per_token=fields.integer("num_experts_per_tok", DEFAULTS["num_experts_per_tok"]),

@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from agentjax.config import KDAConfig, MLAConfig, ModelConfig
+from agentjax.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
 from agentjax.errors import TensorMismatchError
 from checkpoints.hf_config import ConfigFields
 from checkpoints.hf_families import HFFamily
@@ -97,8 +97,6 @@ def text_config(fields: ConfigFields, *, tied_head: bool = True) -> ModelConfig:
     )
     situ = dict(situ_beta=fields.number("activation_situ_beta", 4.0),
                 situ_linear_beta=fields.number("activation_situ_linear_beta", 25.0 if activation == "situ" else None))
-    from agentjax.models.moe import MoEConfig
-
     latent = fields.integer("routed_expert_hidden_size", None)
     moe = MoEConfig(
         num_experts=fields.integer("num_experts", DEFAULTS["num_experts"]),

@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from agentjax.config import BlockSparseConfig, ModelConfig
+from agentjax.config import BlockSparseConfig, ModelConfig, MoEConfig
 from agentjax.errors import ModelConfigError, TensorMismatchError
 from checkpoints.hf_config import ConfigFields, rope_settings
 from checkpoints.hf_families import HFFamily
@@ -92,8 +92,6 @@ def text_config(fields: ConfigFields) -> ModelConfig:
     if "block_sparse_attention" in layer_types or fields.integer("num_mtp_modules", 0, minimum=0):
         block_sparse = BlockSparseConfig(index["index_n_heads"], index["index_head_dim"], index["index_block_size"],
                                          index["index_topk_blocks"], index["index_local_blocks"])
-    from agentjax.models.moe import MoEConfig
-
     num_experts = fields.integer("num_local_experts", fields.raw.get("num_experts") or DEFAULTS["num_local_experts"])
     moe = MoEConfig(
         num_experts=num_experts,

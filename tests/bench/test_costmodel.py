@@ -6,7 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from agentjax.bench.costmodel import CostModel, Layout, fit_efficiency, scale_efficiency
+from agentjax.bench.cost_terms import Layout
+from agentjax.bench.costmodel import CostModel, fit_efficiency, scale_efficiency
 from agentjax.bench.gpus import CPU, GPUS, Efficiency, get_device
 from agentjax.bench.model_shapes import (FULL_SIZE_SHAPES, KeyStream, Mixer, ModelShape, MoEShape, gqa,
                                          shape_from_model_config)

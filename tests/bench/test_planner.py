@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentjax.bench.costmodel import Layout
+from agentjax.bench.cost_terms import Layout
 from agentjax.bench.model_shapes import FULL_SIZE_SHAPES, get_shape
 from agentjax.bench.planner import _level_figures, candidate_layouts, merge_saturation, pd_sweep
 from agentjax.errors import InvalidRequestError

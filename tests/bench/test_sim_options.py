@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agentjax.bench.costmodel import CostModel, Layout
+from agentjax.bench.cost_terms import Layout
+from agentjax.bench.costmodel import CostModel
 from agentjax.bench.gpus import GPUS, Efficiency, spec_table
 from agentjax.bench.model_shapes import FULL_SIZE_SHAPES, ModelShape, gqa
 from agentjax.bench.pipeline import split_microbatches

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agentjax.bench.agentx import AgentxConfig
-from agentjax.bench.costmodel import Layout
+from agentjax.bench.cost_terms import Layout
 from agentjax.bench.gpus import GPUS
 from agentjax.bench.model_shapes import shape_from_model_config
 from agentjax.bench.simulator import (LockstepEngines, SimTarget, VirtualClock, VirtualTimeLoop, build_instance,

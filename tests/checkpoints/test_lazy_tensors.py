@@ -8,7 +8,8 @@ import pytest
 from agentjax.errors import UnsupportedModelError
 from checkpoints import lazy_tensors
 from checkpoints.lazy_quant import BlockAlignmentError, LazyQuant
-from checkpoints.lazy_tensors import FileReads, Source, full_index, normalize
+from checkpoints.lazy_reads import FileReads, Source
+from checkpoints.lazy_tensors import full_index, normalize
 from checkpoints.quant_codecs import Codec, encode
 from checkpoints.quant_writer import write_safetensors
 from checkpoints.safetensors_reader import read_header

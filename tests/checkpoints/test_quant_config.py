@@ -14,7 +14,7 @@ import pytest
 from agentjax.errors import (CorruptCheckpointError, ModelConfigError, ModelLoadError, TensorMismatchError,
                              UnsupportedModelError)
 from checkpoints.hf import quant_scheme
-from checkpoints.lazy_tensors import READS
+from checkpoints.lazy_reads import READS
 from checkpoints.quant_config import parse_scheme
 from checkpoints.quant_writer import quantize_checkpoint
 from checkpoints.safetensors_reader import read_header

@@ -8,8 +8,9 @@ import pytest
 from agentjax.config import CompressedAttentionConfig, ModelConfig
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.cache_layout import cost_aware_checkpoint_tokens, kv_buffer_specs
-from agentjax.kv.layout import build_layout
-from agentjax.kv.specs import plan_groups, specs_from_model_config
+from agentjax.kv.layout_build import build_layout
+from agentjax.kv.cache_layout import specs_from_model_config
+from agentjax.kv.specs import plan_groups
 from agentjax.models import preset_config
 
 MIB = 2**20

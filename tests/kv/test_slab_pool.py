@@ -9,7 +9,7 @@ import pytest
 
 from agentjax.errors import OutOfPagesError
 from agentjax.kv import KVCacheManager
-from agentjax.kv.layout import build_layout
+from agentjax.kv.layout_build import build_layout
 from agentjax.kv.policy_order import engine_eviction_order
 from agentjax.kv.slab_pool import SlabPool
 from agentjax.models import preset_config

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from agentjax.kv import KVCacheManager
-from agentjax.kv.layout import build_layout
+from agentjax.kv.layout_build import build_layout
 from agentjax.kv.usage import group_memory
 from agentjax.models import preset_config
 

@@ -1,6 +1,7 @@
-"""agentjax/models/decoder.py: bucket padding reaches no expert. A decode step of tiny-minimax-m3 with 5 real
-rows in an 8-row bucket sends 5 rows' tokens to every MoE layer's experts (counted in the MoE op), and the
-real rows' hidden states are bit for bit those of the same step with its padding routed as before."""
+"""agentjax/models/decoder.py and decoder_block.py: bucket padding reaches no expert. A decode step of
+tiny-minimax-m3 with 5 real rows in an 8-row bucket sends 5 rows' tokens to every MoE layer's experts (counted
+in the MoE op), and the real rows' hidden states are bit for bit those of the same step with its padding routed
+as before."""
 from __future__ import annotations
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from agentjax.models import decoder as decoder_module
+from agentjax.models import decoder_block
 from agentjax.models.params import random_params, split_model
 from agentjax.models.presets import preset_config
 from agentjax.ragged_batch import RaggedBatch
@@ -55,7 +56,7 @@ def test_a_decode_step_sends_only_its_real_rows_to_the_experts(numerics, monkeyp
 
     # The same step with every token taken as real (padding routed to experts, as before): 8 rows'
     # pairs reach the experts and the real rows' hidden states do not change by a bit.
-    monkeypatch.setattr(decoder_module, "real_token_mask", lambda b: jnp.ones(b.token_ids.shape, bool))
+    monkeypatch.setattr(decoder_block, "real_token_mask", lambda b: jnp.ones(b.token_ids.shape, bool))
     padded_hidden, padded_routed, _ = _decode_step(cfg, numerics)
     assert [int(padded_routed[i]) for i in moe_layers] == [8 * k] * len(moe_layers)
     np.testing.assert_array_equal(hidden, padded_hidden)
@@ -64,7 +65,7 @@ def test_a_decode_step_sends_only_its_real_rows_to_the_experts(numerics, monkeyp
 def test_real_token_mask_marks_each_rows_new_tokens_and_not_the_padding():
     rows = [([4, 5, 6], 0, [1]), ([7], 20, [2, 3]), ([8, 9], 3, [4])]
     batch = RaggedBatch.build(rows, PAGE)
-    mask = np.asarray(decoder_module.real_token_mask(batch))
+    mask = np.asarray(decoder_block.real_token_mask(batch))
     assert batch.num_tokens == 8
     assert mask.tolist() == [True] * 6 + [False] * 2
 
@@ -74,6 +75,6 @@ def test_real_token_mask_finds_padding_that_sits_in_a_real_row():
     outside row 7's new tokens (positions 5-7), so they are padding all the same."""
     rows = [([t], 5 + t, [1 + t]) for t in range(7)] + [([1, 2, 3], 5, [9])]
     batch = RaggedBatch.build(rows, PAGE)
-    mask = np.asarray(decoder_module.real_token_mask(batch))
+    mask = np.asarray(decoder_block.real_token_mask(batch))
     assert batch.num_tokens == 16 and batch.num_seqs == 8
     assert mask.tolist() == [True] * 10 + [False] * 6

@@ -15,7 +15,7 @@ from flax import nnx
 from agentjax.config import CompressedAttentionConfig, ModelConfig, RopeScaling
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.cache_layout import kv_slots, kv_tensors
-from agentjax.models.decoder import MIXERS, _resolve
+from agentjax.models.decoder_block import MIXERS, _resolve
 from agentjax.ragged_batch import RaggedBatch
 from tests.models.dsv4_numpy_reference import dsv4_attention
 

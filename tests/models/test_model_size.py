@@ -70,7 +70,7 @@ def test_full_size_deepseek_v4_pro_matches_architectures_md():
 
 
 def test_deepseek_v4_pro_pool_layout_packs_its_growing_kinds_into_one_128_token_page_group():
-    from agentjax.kv.layout import build_layout
+    from agentjax.kv.layout_build import build_layout
 
     layout = build_layout(preset_config("deepseek-v4-pro", abstract=True), 16, memory_bytes=100 * 2**30)
     growing = [g for g in layout.groups if g.hit_rule == "prefix"]

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from agentjax.config import MoEConfig
 from agentjax.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
-from agentjax.models.moe import MoE, MoEConfig
+from agentjax.models.moe import MoE
 
 HIDDEN = 24
 NUMERICS = ("fast", "batch_invariant")
@@ -374,3 +375,10 @@ def test_shared_size_defaults_to_expert_width_times_count():
     assert GROUPED.shared_size == 24
     assert MINIMAX_LIKE.shared_size == 20
     assert SOFTMAX.shared_size == 0
+
+
+def test_every_scoring_the_config_accepts_has_its_router_function():
+    from agentjax.layer_configs import MOE_SCORINGS
+    from agentjax.models.moe import SCORING_FUNCTIONS
+
+    assert tuple(SCORING_FUNCTIONS) == MOE_SCORINGS

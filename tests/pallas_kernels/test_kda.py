@@ -15,13 +15,14 @@ import pytest
 
 from agentjax.ragged_batch import RaggedBatch
 from pallas_kernels import kda
+from pallas_kernels.kda_recurrence import state_size
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kda_numpy_reference import kda_core  # noqa: E402
 
 HEADS, DIM, KERNEL = 2, 8, 4
 CHANNELS = 3 * HEADS * DIM
-SIZE = kda.state_size(HEADS, DIM, KERNEL)
+SIZE = state_size(HEADS, DIM, KERNEL)
 NUM_PAGES = 12
 
 _op = jax.jit(kda.kimi_delta_attention, static_argnames=("num_heads", "head_dim", "batch_invariant", "chunk_size"))
@@ -229,7 +230,7 @@ def test_op_under_jit_equals_eager_and_compiles_once_per_shape():
 def test_conv_width_three_matches_the_reference_across_chunks():
     """Kimi-Linear fixture b uses a width-3 conv: a 2-entry tail carried through 1-token steps."""
     seq, weight = _sequence(8, 9, kernel=3), _conv_weight(kernel=3)
-    size = kda.state_size(HEADS, DIM, 3)
+    size = state_size(HEADS, DIM, 3)
     pages = jnp.zeros((1, NUM_PAGES, size), jnp.float32)
     done, outs = 0, []
     for count in (4, 1, 1, 3):

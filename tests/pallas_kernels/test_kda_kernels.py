@@ -13,6 +13,7 @@ import pytest
 from agentjax.errors import KernelShapeError
 from agentjax.ragged_batch import RaggedBatch
 from pallas_kernels import kda
+from pallas_kernels.kda_recurrence import state_size
 from pallas_kernels.kda_kernels import delta_rule_kernel, kimi_delta_attention_kernel
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -24,7 +25,7 @@ def _step(rows, *, heads, dim, kernel=4, seed, num_slots=2, strong_decay=False):
     """Random op inputs for `rows` = [(new tokens, tokens already computed)], each row on its own
     state page holding a random (recycled or resumed) state."""
     rng = np.random.default_rng(seed)
-    size = kda.state_size(heads, dim, kernel)
+    size = state_size(heads, dim, kernel)
     pages = rng.permutation(np.arange(1, len(rows) + 3))[:len(rows)]
     batch = RaggedBatch.build([([0] * new, done, [int(page)]) for (new, done), page in zip(rows, pages)], 16,
                               state_groups=(0,))

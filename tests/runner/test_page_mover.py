@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentjax.kv import KVCacheManager
 from agentjax.kv.cache_layout import KVBufferSpec
-from agentjax.kv.layout import build_layout
+from agentjax.kv.layout_build import build_layout
 from agentjax.kv.offload.connector import KVTransfers, LoadJob, OffloadConnector, PageTransfer, StoreJob
 from agentjax.kv.offload.disk import DiskTier
 from agentjax.kv.offload.host import HostPageIndex

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from agentjax.models.moe import MoE, MoEConfig
+from agentjax.config import MoEConfig
+from agentjax.models.moe import MoE
 from sharding.layouts import LAYOUTS, plan_parameter
 from sharding.mesh import ParallelConfig, axes, build_mesh
 from sharding.modules import ExpertParallelExperts, RowParallelLinear, TensorParallelExperts

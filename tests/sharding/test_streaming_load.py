@@ -16,7 +16,7 @@ from agentjax.errors import InsufficientMemoryError, ParallelLayoutError
 from agentjax.models.params import expected_shapes
 from agentjax.models.quantized import StoredWeight
 from checkpoints.hf import load_hf
-from checkpoints.lazy_tensors import READS
+from checkpoints.lazy_reads import READS
 from checkpoints.quant_writer import quantize_checkpoint
 from sharding.layouts import plan_parameters
 from sharding.streaming_load import load_params

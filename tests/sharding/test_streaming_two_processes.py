@@ -18,7 +18,7 @@ SCRIPT = """
 import json, sys
 import agentjax.models as models
 from agentjax import LLM, SamplingParams
-from checkpoints.lazy_tensors import READS
+from checkpoints.lazy_reads import READS
 
 def io():
     return {k: int(v) for k, v in (line.split(": ") for line in open("/proc/self/io").read().splitlines())}

@@ -1,6 +1,6 @@
-"""Collectives per step: sharding/hlo_collectives.py reads them from a lowered step (loop trip counts
+"""Collectives per step: agentjax/bench/hlo_collectives.py reads them from a lowered step (loop trip counts
 included), and for every layout on the tiny presets they equal the shape formula of
-sharding/collective_formulas.py, in fast and batch-invariant numerics."""
+agentjax/bench/collective_formulas.py, in fast and batch-invariant numerics."""
 from __future__ import annotations
 
 import jax
@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec
 from agentjax.kv.cache_layout import kv_buffer_specs
 from agentjax.models.presets import FULL_SIZE_PRESETS, PRESETS
 from sharding.attention import pcp_token_split
-from sharding.collective_formulas import expected_collectives
-from sharding.hlo_collectives import collectives_of, tensor_bytes
+from agentjax.bench.collective_formulas import expected_collectives
+from agentjax.bench.hlo_collectives import collectives_of, tensor_bytes
 from sharding.mesh import ParallelConfig, build_mesh
 from tests.sharding.parity import need_devices
 
@@ -64,7 +64,7 @@ def _cases_quick_first() -> list:
 @pytest.mark.parametrize("preset, layout", _cases_quick_first())
 def test_lowered_step_runs_the_collectives_the_formula_says(preset, layout, numerics):
     need_devices()
-    from sharding.step import lowered_step_text
+    from agentjax.runner.sharded_step import lowered_step_text
 
     cfg, parallel = PRESETS[preset], ParallelConfig(**layout)
     groups = len(kv_buffer_specs(cfg, 16))

@@ -7,6 +7,8 @@ roles; parameters follow their layouts (sharding/layouts.py); each KV buffer is 
 stacked on a leading device axis. Inside, the step is `agentjax.runner.step.sampling_step_function`
 over the local model, so sampling, penalties and log probabilities are the single-device code.
 PCP splits the batch's tokens per rank before the model and gathers the hidden states after it.
+Runtime code of the runner (agentjax/runner/sharded_runner.py drives it); the layout rules it follows stay in
+sharding/.
 """
 from __future__ import annotations
 
@@ -22,16 +24,9 @@ from agentjax.kernels import resolve_attention_impl
 from agentjax.kv_buffers import DeviceLayout, KVPool
 from agentjax.runner.step import sampling_step_function
 from sharding.attention import ParallelAttentionOps, select_rank_tokens, unpermute_tokens
+from sharding.layouts import local_kv_buffer_specs
 from sharding.mesh import ParallelConfig, axes
 from sharding.modules import build_local_model, local_specs
-
-
-def local_kv_buffer_specs(cfg, parallel: ParallelConfig, page_size: int):
-    """The KV buffers one device holds (`kv_buffer_specs` of the local model, at a rank's page size)."""
-    from agentjax.kv.cache_layout import kv_buffer_specs
-    from sharding.layouts import local_model_config
-
-    return kv_buffer_specs(local_model_config(cfg, parallel), page_size // parallel.decode_context_parallel_size)
 
 
 class ShardedStep:
@@ -73,8 +68,8 @@ class ShardedStep:
         return tuple(buffers)
 
     def local_kv_layout(self, kv_layout):
-        """One device's part of a "pool" layout (agentjax/kv/layout.py `local_layout`)."""
-        from agentjax.kv.layout import local_layout
+        """One device's part of a "pool" layout (agentjax/kv/layout_build.py `local_layout`)."""
+        from agentjax.kv.layout_build import local_layout
         from sharding.layouts import local_model_config
 
         return local_layout(kv_layout, local_model_config(self.cfg, self.parallel),

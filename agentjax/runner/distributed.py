@@ -6,7 +6,7 @@ engine; its runner is a `DriverRunner`, which sends each runner call (as JSON, t
 over the devices: nothing is unpickled) before running it, and every other process runs
 `follow(runner)`, which repeats the same calls on its own runner, so every process enters the same
 collectives with the same inputs. `LLM.generate` and `agentjax serve` use this. Host-side glue: the
-step itself is sharding/step.py's.
+step itself is sharded_step.py's.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from agentjax.errors import ParallelLayoutError
+from agentjax.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,6 @@ def generate_across_processes(llm, generate, *args) -> list:
     """`LLM.generate` on several processes: process 0 runs `generate(*args)` (its runner announcing
     every call) and sends the outputs; the others follow and return them."""
     import jax
-
-    from agentjax.llm import CompletionOutput, RequestOutput
 
     if jax.process_index() == 0:
         outputs = generate(*args)

@@ -3,7 +3,7 @@
 `expected_collectives(cfg, parallel, numerics, tokens=T, rows=B, pages=P)` counts, per kind, how many
 collectives a step over T tokens (per data rank, padded) runs and the bytes each moves on one device,
 layer by layer, the way sharding/modules.py and sharding/attention.py issue them. Tests check it
-against the lowered step (sharding/hlo_collectives.py) on the tiny presets; scripts use it for the
+against the lowered step (agentjax/bench/hlo_collectives.py) on the tiny presets; scripts use it for the
 full-size presets, whose steps are too large to lower here. Bytes follow hlo_collectives: the
 all-reduced / reduce-scattered / all-to-all operand, or the all-gathered result. Pure arithmetic.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sharding.hlo_collectives import KINDS, CollectiveStats
+from agentjax.bench.hlo_collectives import KINDS, CollectiveStats
 from sharding.mesh import ParallelConfig
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

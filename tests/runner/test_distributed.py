@@ -1,4 +1,4 @@
-"""sharding/distributed.py: runner calls travel as JSON (nothing unpickled), and two processes joined
+"""agentjax/runner/distributed.py: runner calls travel as JSON (nothing unpickled), and two processes joined
 by jax.distributed (one CPU device each, TP over both) generate the tokens one process does."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from agentjax.runner.extras import RowPenalties, StepExtras
-from sharding.distributed import _plain, _restore
+from agentjax.runner.distributed import _plain, _restore
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
