@@ -356,7 +356,7 @@ class EngineConfig:
         if self.kv_policy not in ("lru", "hints", "marconi"):
             raise InvalidRequestError(f"kv_policy must be 'lru', 'hints' or 'marconi', got {self.kv_policy!r}")
         _ = self.parallel  # raises ParallelLayoutError on sizes < 1 or a DCP that does not divide TP
-        from agentjax.engine_kv import check_kv_cache_dtype
+        from agentjax.kv_cache_dtype import check_kv_cache_dtype
 
         check_kv_cache_dtype(self)
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
@@ -373,7 +373,7 @@ class EngineConfig:
         this setting unless "auto", else the model config's; "auto" there becomes "kernel" on a GPU and
         "reference" on a CPU, under decode/prefill context parallelism or with FP8 KV
         (`agentjax.kernels.resolve_attention_impl`, which looks at JAX's default backend)."""
-        from agentjax.engine_kv import with_kv_cache_dtype
+        from agentjax.kv_cache_dtype import with_kv_cache_dtype
         from agentjax.kernels import resolve_attention_impl
 
         model_cfg = with_kv_cache_dtype(model_cfg, self)

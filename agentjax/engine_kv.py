@@ -2,7 +2,8 @@
 
 "auto" takes the byte pool wherever the engine's paths run on it and says why when it does not; the
 layout then sizes the KV manager's pool and the runner's device memory, so both read one object. The
-engine's `kv_cache_dtype` reaches the model config here (`with_kv_cache_dtype`). Host only: never imports jax.
+engine's `kv_cache_dtype` reaches the model config here (agentjax/kv_cache_dtype.py). Host only: never
+imports jax.
 """
 from __future__ import annotations
 
@@ -10,34 +11,9 @@ import logging
 
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.layout_build import build_layout
+from agentjax.kv_cache_dtype import with_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
-
-
-def check_kv_cache_dtype(engine_cfg) -> None:
-    """Raise if the engine's `kv_cache_dtype` is unknown or asked for on a path that has no FP8 KV."""
-    dtype = engine_cfg.kv_cache_dtype
-    if dtype not in ("auto", "fp8"):
-        raise InvalidRequestError(f"kv_cache_dtype must be 'auto' or 'fp8', got {dtype!r}")
-    if dtype != "fp8":
-        return
-    if engine_cfg.attention_impl == "kernel":
-        raise InvalidRequestError(
-            "kv_cache_dtype='fp8' runs on the XLA attention path (attention_impl 'auto' or 'reference'); the "
-            "Pallas attention kernels (attention_impl='kernel') read no FP8 KV pages yet")
-    if engine_cfg.parallel.decode_context_parallel_size > 1:
-        raise InvalidRequestError(
-            "kv_cache_dtype='fp8' is not available under decode context parallelism "
-            f"(decode_context_parallel_size={engine_cfg.parallel.decode_context_parallel_size}): its ranks write "
-            "their own K/V rows unquantised (sharding/attention.py)")
-
-
-def with_kv_cache_dtype(model_cfg, engine_cfg):
-    """`model_cfg` storing KV as the engine asks ("auto": as the model config says)."""
-    dtype = getattr(engine_cfg, "kv_cache_dtype", "auto")
-    if dtype == "auto" or model_cfg.kv_cache_dtype == dtype:
-        return model_cfg
-    return model_cfg.replace(kv_cache_dtype=dtype)
 
 
 def pool_unsupported(layout, engine_cfg) -> str | None:

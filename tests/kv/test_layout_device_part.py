@@ -9,7 +9,7 @@ import pytest
 
 from agentjax.config import EngineConfig
 from agentjax.engine_kv import engine_kv_layout
-from agentjax.kv.layout import build_layout, local_layout
+from agentjax.kv.layout_build import build_layout, local_layout
 from agentjax.models import preset_config
 from sharding.layouts import local_model_config
 from sharding.mesh import ParallelConfig
