@@ -17,8 +17,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 
 from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import InvalidRequestError, OutOfPagesError, PromptTooLongError
@@ -26,8 +25,8 @@ from agentjax.request_fit import check_pool_fits
 from agentjax.runner.compile_counter import CompileCounter
 from agentjax.engine_extras import ExtrasTracker
 from agentjax.engine_kv import engine_kv_layout
+from agentjax.engine_stats import EngineMetrics, StepRecord, engine_stats
 from agentjax.kv import KVCacheManager
-from agentjax.kv.usage import group_memory
 from agentjax.kv.policy_order import engine_eviction_order
 from agentjax.runner.sharded_runner import check_engine_layout, make_model_runner
 from agentjax.sampling_params import SamplingParams
@@ -37,35 +36,6 @@ from agentjax.scheduler.scheduler import Scheduler, SchedulerOutput
 from agentjax.structured.backend import GrammarBackend, all_allowed
 
 logger = logging.getLogger(__name__)
-
-# Latency samples kept for percentiles (the server exports its own histograms).
-LATENCY_WINDOW = 10_000
-
-
-@dataclass
-class EngineMetrics:
-    """Counters and recent latency samples of the engine."""
-
-    prompt_tokens_total: int = 0  # prompt tokens received (a parallel sample's prompt once)
-    prompt_tokens_computed: int = 0  # prompt tokens run through the model (not read from the cache)
-    generation_tokens_total: int = 0
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    ttft_s: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
-    itl_s: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
-    e2e_s: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One step as scheduled: `(request_id, num_tokens, is_prefill)` rows, admissions, preemptions."""
-
-    step_index: int
-    rows: tuple[tuple[str, int, bool], ...]
-    admitted: tuple[str, ...]
-    preempted: tuple[str, ...]
-    admissions_allowed: bool
-
 
 class Engine:
     """Serves many requests at once on one model runner."""
@@ -388,32 +358,27 @@ class Engine:
             yield from self.step()
 
     def stats(self) -> dict:
-        kv = self.kv.stats()
-        total = self.kv.capacity_units
-        free = self.kv.num_free_blocks
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": self.scheduler.num_waiting,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_total_blocks": total,
-            "kv_free_blocks": free,
-            "kv_used_blocks": kv.get("used_blocks", total - free),
-            "kv_cached_blocks": kv.get("cached_blocks", 0),
-            "kv_cached_blocks_by_group": self.kv.cached_blocks_by_group(),
-            "kv_usage": kv.get("used_blocks", total - free) / total,
-            "prefix_query_tokens": kv.get("queries", 0),
-            "prefix_hit_tokens": kv.get("hits", 0),
-            "prefix_turn_end_hit_tokens": kv.get("turn_end_hits", 0),
-            "prompt_tokens_total": self.metrics.prompt_tokens_total,
-            "prompt_tokens_computed_total": self.metrics.prompt_tokens_computed,
-            "generation_tokens_total": self.metrics.generation_tokens_total,
-            "requests_finished": self.metrics.requests_finished,
-            "requests_aborted": self.metrics.requests_aborted,
-            "num_steps": self.num_steps,
-            "compiled_shapes": len(self.runner.compiled_shapes),
-            "kv_layout": self.kv_layout.mode if self.kv_layout is not None else "shared",
-            "kv_groups": group_memory(self.kv),
-            "compiled_executables": self.compiles.executables,
-            **({"spec_decode": self.speculator.stats.snapshot()} if self.speculator is not None else {}),
-            **({"kv_offload": self.offload.snapshot()} if self.offload is not None else {}),
-        }
+        """Scheduler, KV pool, token and compile counters, a flat dict (see `agentjax.engine_stats`)."""
+        return engine_stats(self)
+
+    # ---- idle offload work (between steps; the server's engine thread calls these) ---------------
+    def dispatch_offload_stores(self) -> None:
+        """Idle: the stores of the turns that just ended go to their tiers now, not with the next step."""
+        if self.offload_worker is not None:
+            transfers = self.offload.take_transfers()
+            if transfers:
+                self.offload_worker.run(self.runner, transfers)
+
+    def flush_offload(self, reached: Callable[[dict[str, bool]], None]) -> bool:
+        """Dispatch the stores of the turns that ended so far now; once the tiers hold them, `reached` gets
+        each tier's degraded flag (called from a tier thread, or at once without remote tiers). False,
+        and no call, for an engine without offload tiers."""
+        if self.offload_worker is None:
+            return False
+        connector = self.offload
+
+        def stored() -> None:
+            reached({name: connector.health[name].degraded for name in connector.tiers})
+
+        self.offload_worker.after_stores(self.runner, stored)
+        return True

@@ -18,6 +18,14 @@ FLAT_PACKAGES = ("scripts",)
 LOWER_FLOORS = ("sharding", "agentjax.kv", "agentjax.scheduler", "agentjax.models", "pallas_kernels")
 UPPER_FLOORS = ("agentjax.engine", "agentjax.engine_extras", "agentjax.llm", "agentjax.data_parallel",
                 "agentjax.runner", "agentjax.server", "agentjax.router", "agentjax.bench", "agentjax.cli")
+# The KV manager's own rooms: its pool (pages, slabs, eviction order, pin table), its group managers, its
+# request records and its mixins. Outside agentjax/kv a module reaches the manager through
+# `KVCacheManager`'s methods, never through these (specs, layout, hashing, policies, events, usage and the
+# offload tiers are agentjax/kv's public modules).
+KV_MANAGER_INTERNALS = tuple(f"agentjax.kv.{name}" for name in (
+    "block_pool", "slab_pool", "slab_choice", "eviction", "eviction_groups", "pinned_order", "pins", "groups",
+    "known_runs", "requests", "admission_undo", "turn_ends", "state_saves", "manager_lookup", "manager_reads",
+    "manager_states"))
 
 
 def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
@@ -163,6 +171,27 @@ def upward_paths(edges: dict, lower=LOWER_FLOORS, upper=UPPER_FLOORS) -> list[li
     return paths
 
 
+def internal_kv_imports(modules: dict[str, Path], root: Path = ROOT,
+                        internals=KV_MANAGER_INTERNALS) -> list[str]:
+    """"path:line name" for each import, outside agentjax/kv, of a KV manager internal module or of a name
+    the `agentjax.kv` package re-exports from one (`from agentjax.kv import BlockPool`)."""
+    reexported = set()
+    package = modules.get("agentjax.kv")
+    if package is not None:
+        for node in ast.walk(ast.parse(package.read_text())):
+            if isinstance(node, ast.ImportFrom) and _under(node.module or "", internals):
+                reexported.update(f"agentjax.kv.{alias.asname or alias.name}" for alias in node.names)
+    found = []
+    for module, path in modules.items():
+        if _under(module, ("agentjax.kv",)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            for name in _imported_names(node, module, path.name == "__init__.py"):
+                if _under(name, internals) or name in reexported:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    return sorted(set(found))
+
+
 def describe(path: list[str], edges: dict) -> str:
     steps = [path[0]] + [f"-> {b} ({edges[a][b]})" for a, b in zip(path, path[1:])]
     return "\n    ".join(steps)
@@ -185,6 +214,31 @@ def test_lower_floors_never_reach_the_floors_that_drive_them(edges):
     if paths:
         pytest.fail(f"{', '.join(LOWER_FLOORS)} must not import {', '.join(UPPER_FLOORS)}, directly or through "
                     "other modules:\n  " + "\n  ".join(describe(path, edges) for path in paths), pytrace=False)
+
+
+def test_nothing_outside_kv_imports_the_kv_managers_internals():
+    found = internal_kv_imports(module_files(ROOT))
+    if found:
+        pytest.fail("outside agentjax/kv, ask the KV manager (agentjax/kv/manager.py and its reads), do not import "
+                    "its internals:\n  " + "\n  ".join(found), pytrace=False)
+
+
+def test_the_internals_check_finds_direct_and_reexported_imports(tmp_path):
+    files = {
+        "agentjax/__init__.py": "",
+        "agentjax/kv/__init__.py": "from agentjax.kv.block_pool import BlockPool\nfrom agentjax.kv.specs import KVSpec\n",
+        "agentjax/kv/block_pool.py": "BlockPool = object\n",
+        "agentjax/kv/specs.py": "from agentjax.kv.block_pool import BlockPool\nKVSpec = object\n",
+        "agentjax/server/__init__.py": "",
+        "agentjax/server/view.py": "from agentjax.kv import BlockPool, KVSpec\ndef f():\n    import agentjax.kv.block_pool\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert internal_kv_imports(module_files(tmp_path, ("agentjax",)), root=tmp_path) == [
+        "agentjax/server/view.py:1 agentjax.kv.BlockPool", "agentjax/server/view.py:3 agentjax.kv.block_pool"]
+    assert all(name.rpartition(".")[2] and (ROOT / "agentjax/kv" / f"{name.rpartition('.')[2]}.py").is_file()
+               for name in KV_MANAGER_INTERNALS), "a KV internal module named here no longer exists"
 
 
 def test_the_check_finds_circles_and_upward_imports(tmp_path):

@@ -242,11 +242,11 @@ def build_virtual_offload(plan: OffloadPlan, kv, shape, device, page_bytes_per_g
     host = disk = None
     if plan.host_gb:
         slots = min(MAX_HOST_SLOTS, max(2, int(plan.host_gb * GB // page_bytes_per_gpu)))
-        host = HostPageIndex(len(kv.groups), slots, scored=True)
+        host = HostPageIndex(len(kv.plan.groups), slots, scored=True)
     if plan.disk_gb:
         disk = IndexOnlyDiskTier(plan.disk_gb * GB, scored=True)
     per_pair = sum(count * stream.flops_per_entry for mixer, count in shape.mixers for stream in mixer.streams)
     score = TierEntryScore(RecomputeCost(shape.active_params, per_pair),
-                           [GroupEntries(group.tokens_per_page, max(1, int(page_bytes_per_gpu))) for group in kv.groups])
+                           [GroupEntries(group.tokens_per_page, max(1, int(page_bytes_per_gpu))) for group in kv.plan.groups])
     connector = OffloadConnector(kv, host, disk, None, plan.retention, entry_score=score)
     return connector, VirtualOffloadWorker(connector, clock, page_bytes_per_gpu, device, spend)

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentjax.errors import InvalidRequestError
-from agentjax.kv.hashing import block_hashes
 from agentjax.router.policies import SessionTable, make_policy
 from agentjax.router.replicas import Replica
 from agentjax.router.routing_request import RoutingRequest
@@ -41,7 +40,7 @@ class EnginePrefixView:
     def __init__(self, target) -> None:
         self.kvs = [engine.kv for engine in _engines(target)]
         kv = self.kvs[0]
-        self.group = next((g for g in kv.groups if g.group.spec.hit_rule == "prefix"), kv.groups[0])
+        self.group = kv.prefix_group() or kv.plan.groups[0]
         self.block_size = kv.block_size
         self.cached: set = set()  # the router's status page counts these; the view reads the pools
 
@@ -58,7 +57,7 @@ class EnginePrefixView:
         return best
 
     def page_keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        return self.group.page_keys(block_hashes(list(token_ids), self.block_size, None))
+        return self.kvs[0].page_keys(self.group.group_id, list(token_ids))
 
 
 class PolicyPlacement:

@@ -14,7 +14,7 @@ import numpy as np
 
 from agentjax.errors import InvalidRequestError
 from agentjax.kv.groups import GroupManager
-from agentjax.kv.hashing import BlockHash, root_hash, tokens_as_uint32
+from agentjax.kv.hashing import BlockHash, block_hashes, root_hash, tokens_as_uint32
 from agentjax.kv.requests import RequestKV
 
 __all__ = ["PrefixLookupMixin", "flat_pages"]
@@ -197,6 +197,10 @@ class PrefixLookupMixin:
     def cached_index(self, group_id: int) -> Mapping:
         """The pool's index of `group_id`: block hash -> the cached page that holds it; read only."""
         return self.pool.cached[group_id]
+
+    def page_keys(self, group_id: int, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+        """The keys the full pages of `token_ids` in group `group_id` are cached under (`cached_index`'s keys)."""
+        return self.groups[group_id].page_keys(block_hashes(token_ids, self.block_size, cache_salt))
 
     @property
     def kv_policy(self):

@@ -1,6 +1,8 @@
 """The KV manager's capacity reads, stats, and the page holds of the offload tiers' loads (mixed into
 `agentjax.kv.manager.KVCacheManager`).
 
+The group reads (`prefix_group`, `hashes_per_page`, `page_table_lengths`) answer from the public plan
+and each group's own page rule, so callers never hold the manager's group managers.
 Capacity is counted in the pool's units (pages for a one-size pool, page units for a slab pool).
 A load from an offload tier holds device pages outside any request: `hold_pages` / `take_load_pages`
 reserve them, `cache_loaded_page` makes a loaded page an ordinary cached page, `release_pages` lets
@@ -12,7 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from agentjax.kv.block_pool import NULL_PAGE
 from agentjax.kv.hashing import BlockHash
+from agentjax.kv.specs import KVGroup
 
 __all__ = ["CapacityReadsMixin"]
 
@@ -29,6 +33,21 @@ class CapacityReadsMixin:
     def units_are_pages(self) -> bool:
         """Whether capacity counts pages (every group's pages share one id space) rather than page units."""
         return bool(self.pool.num_groups_share_ids)
+
+    def prefix_group(self) -> KVGroup | None:
+        """The first group whose hits are prefix runs (full attention, MLA latents): the group that keeps
+        a whole context and routes requests by their page keys; None for a model without one."""
+        return next((group for group in self.plan.groups if group.spec.hit_rule == "prefix"), None)
+
+    def hashes_per_page(self, group: int) -> int:
+        """Prefix hashes (of `block_size` tokens each) one page of `group` spans; its page key is the last."""
+        return self.plan.groups[group].tokens_per_page // self.block_size
+
+    def page_table_lengths(self, num_tokens: int) -> tuple[int, ...]:
+        """Each group's page-table length for a row of `num_tokens` tokens, by that group's own rule (a
+        recurrent-state group: its running page)."""
+        return tuple(len(group.build_table(0, [], [NULL_PAGE] * group.num_new_pages(0, 0, num_tokens)).pages)
+                     for group in self.groups)
 
     def holds_block(self, pages: np.ndarray) -> np.ndarray:
         """Per page of `pages`: whether it holds a cached block (of any group)."""

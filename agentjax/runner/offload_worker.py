@@ -30,7 +30,6 @@ from agentjax.kv.cache_layout import kv_buffer_specs
 from agentjax.kv.offload.connector import OffloadConnector
 from agentjax.kv.offload.transfers import KVTransfers, LoadJob, StoreJob
 from agentjax.kv.offload.disk import DiskFullError, DiskTier
-from agentjax.kv.groups import CheckpointGroup
 from agentjax.kv.offload.host import HostPageIndex
 from agentjax.kv.offload.inflight import InFlightLoads
 from agentjax.kv.offload.policies import GroupEntries, RecomputeCost, TierEntryScore
@@ -340,8 +339,8 @@ def tier_entry_score(model_cfg, kv, page_size: int) -> TierEntryScore:
 
     cost = RecomputeCost.for_model(model_size(model_cfg).active_params, model_cfg.num_layers, model_cfg.num_heads,
                                    model_cfg.head_dim)
-    return TierEntryScore(cost, [GroupEntries(group.tokens_per_page, page_bytes, isinstance(group, CheckpointGroup))
-                                 for group, page_bytes in zip(kv.groups, group_page_bytes(model_cfg, kv, page_size))])
+    return TierEntryScore(cost, [GroupEntries(group.tokens_per_page, page_bytes, group.spec.hit_rule == "checkpoint")
+                                 for group, page_bytes in zip(kv.plan.groups, group_page_bytes(model_cfg, kv, page_size))])
 
 
 def group_page_bytes(model_cfg, kv, page_size: int) -> list[int]:
@@ -367,7 +366,7 @@ def build_offload(engine_cfg, model_cfg, params, kv, runner=None) -> tuple[Offlo
     if engine_cfg.host_cache_gb > 0:  # a slot holds one page of every group, every device's part of it
         page_bytes = sum(mover.page_bytes(group) for group in range(mover.num_groups))
         host_slots = int(engine_cfg.host_cache_gb * 2**30) // page_bytes
-        host = HostPageIndex(len(kv.groups), host_slots, scored=True)
+        host = HostPageIndex(len(kv.plan.groups), host_slots, scored=True)
     if engine_cfg.disk_cache_dir:
         disk = DiskTier(engine_cfg.disk_cache_dir, namespace, int(engine_cfg.disk_cache_gb * 2**30), scored=True)
     if engine_cfg.mooncake_master:

@@ -65,26 +65,17 @@ def _buckets_up_to(value: int, buckets) -> list[int]:
         size = bucket(size + 1, buckets)
 
 
-def page_table_lengths(kv, context: int) -> tuple[int, ...]:
-    """Each KV group's page-table length for a row of `context` tokens (its group manager's own rule)."""
-    lengths = []
-    for manager in kv.groups:
-        new_pages = manager.num_new_pages(0, 0, context)
-        lengths.append(len(manager.build_table(0, [], [NULL_PAGE] * new_pages).pages))
-    return tuple(lengths)
-
-
 def context_buckets(kv, max_context: int) -> list[int]:
     """The longest context (up to `max_context`) of each distinct tuple of page-table widths: the most
     room a shape's rows can have."""
     candidates = {max_context}
-    for manager in kv.groups:
+    for group in kv.plan.groups:
         for pages in PAGE_BUCKETS:
-            if pages * manager.tokens_per_page < max_context:
-                candidates.add(pages * manager.tokens_per_page)
+            if pages * group.tokens_per_page < max_context:
+                candidates.add(pages * group.tokens_per_page)
     longest: dict[tuple[int, ...], int] = {}
     for context in sorted(candidates):
-        longest[tuple(bucket(max(1, n), PAGE_BUCKETS) for n in page_table_lengths(kv, context))] = context
+        longest[tuple(bucket(max(1, n), PAGE_BUCKETS) for n in kv.page_table_lengths(context))] = context
     return sorted(longest.values())
 
 
@@ -103,7 +94,7 @@ def step_shapes(engine, level: str = "all") -> list[StepShape]:
 def _rows_for(engine, shape: StepShape) -> list | None:
     """Null-page rows that pad to `shape` (None where no such rows exist: more tokens than the rows'
     contexts hold). Every row has the shape's context, so the widths are the context's."""
-    tables = [[NULL_PAGE] * n for n in page_table_lengths(engine.kv, shape.context)]
+    tables = [[NULL_PAGE] * n for n in engine.kv.page_table_lengths(shape.context)]
     total = shape.tokens
     if total > shape.rows * shape.context:  # the fewest tokens of the bucket, then
         total = bucket_below(shape.tokens, TOKEN_BUCKETS) + 1
@@ -161,7 +152,7 @@ def warm_page_movers(engine) -> None:
 
     worker, runner = engine.offload_worker, engine.runner
     mover = worker.mover
-    most = max(page_table_lengths(engine.kv, engine.max_model_len))
+    most = max(engine.kv.page_table_lengths(engine.max_model_len))
     for size in _buckets_up_to(most, TRANSFER_BUCKETS):
         nulls = np.zeros(size, np.int32)
         for group in range(mover.num_groups):

@@ -232,28 +232,23 @@ class AsyncEngine:
     def _flush_offload(self, flushed: asyncio.Future) -> None:
         """The stores of the turns that ended so far go to their tiers now; `flushed` gets each tier's
         degraded flag once they are there (None without offload tiers)."""
-        worker, connector = getattr(self.engine, "offload_worker", None), getattr(self.engine, "offload", None)
-        if worker is None or connector is None:
-            self._loop.call_soon_threadsafe(_settle, flushed, None)
-            return
+        flush = getattr(self.engine, "flush_offload", None)
 
-        def reached() -> None:  # from an offload tier thread
-            degraded = {name: connector.health[name].degraded for name in connector.tiers}
+        def reached(degraded: dict[str, bool]) -> None:  # from an offload tier thread
             self._loop.call_soon_threadsafe(_settle, flushed, degraded)
 
         try:
-            worker.after_stores(self.engine.runner, reached)
+            if flush is None or not flush(reached):
+                self._loop.call_soon_threadsafe(_settle, flushed, None)
         except Exception as error:  # the flush fails, not the requests in flight
             logger.exception("dispatching the offload stores failed")
             self._loop.call_soon_threadsafe(_settle, flushed, error)
 
     def _dispatch_stores(self) -> None:
         """Idle: the stores of the turns that just ended go to their tiers now, not with the next request."""
-        worker, connector = getattr(self.engine, "offload_worker", None), getattr(self.engine, "offload", None)
-        if worker is not None and connector is not None:
-            transfers = connector.take_transfers()
-            if transfers:
-                worker.run(self.engine.runner, transfers)
+        dispatch = getattr(self.engine, "dispatch_offload_stores", None)
+        if dispatch is not None:
+            dispatch()
 
     def _step(self) -> None:
         try:

@@ -93,10 +93,10 @@ def attach_kv_event_log(async_engine: Any) -> KVEventLog | None:
     full-attention group, else group 0."""
     kv = getattr(async_engine.engine, "kv", None)
     if kv is None or not hasattr(kv, "enable_events") or not getattr(kv, "enable_caching", False) or \
-            not getattr(kv, "groups", None):
+            not getattr(kv, "plan", None):
         return None
-    chosen = next((g for g in kv.groups if g.group.spec.hit_rule == "prefix"), kv.groups[0])
-    log = KVEventLog(chosen.group.group_id, kv.block_size, chosen.hashes_per_page, chosen.group.spec.hit_rule)
+    chosen = kv.prefix_group() or kv.plan.groups[0]
+    log = KVEventLog(chosen.group_id, kv.block_size, kv.hashes_per_page(chosen.group_id), chosen.spec.hit_rule)
     kv.enable_events()
     async_engine.kv_event_sink = (kv.take_events, log.apply)
     return log

@@ -172,7 +172,7 @@ def kv_capacity(engine) -> tuple[int, int, int, int]:
     ranks = getattr(engine, "ranks", [engine])
     # tokens a page holds in the groups that keep a whole context (full attention, MLA latents): a page of
     # 128 tokens for MiniMax-M3, block_size x DCP ranks under decode context parallelism
-    prefix = next((group for group in ranks[0].kv.groups if group.group.spec.hit_rule == "prefix"), None)
+    prefix = ranks[0].kv.prefix_group()
     page_tokens = prefix.tokens_per_page if prefix is not None else \
         engine.config.parallel.kv_page_tokens(engine.config.block_size)
     pages = sum(_whole_context_pages(rank.kv, prefix) for rank in ranks)

@@ -3,7 +3,8 @@ request lifecycle, and nothing outside agentjax/kv reaches into it.
 
 A static check over the source (`ast`, no import of the modules, no jax): outside agentjax/kv/ and
 agentjax/scheduler/, no module calls the manager's step-path methods, and no module outside the
-manager's own files reads its private members or its pool. The manager is recognised by name: an
+manager's own files reads its private members, and nothing outside agentjax/kv holds its pool or its
+group managers (`kv.groups`: the public plan, `kv.plan.groups`, and the manager's group reads answer). The manager is recognised by name: an
 expression ending in `kv`, `kv_manager` or `kv_cache_manager`, `manager` in a module that
 imports `KVCacheManager`, or a name a `KVCacheManager(...)` constructor call is assigned to.
 """
@@ -72,6 +73,8 @@ def _offences(path: Path, relative: str) -> list[str]:
             found.append(f"{where} (a private member of the KV manager)")
         elif member == "pool" and not inside_kv:
             found.append(f"{where} (the manager's pool: ask the manager)")
+        elif member == "groups" and not inside_kv:
+            found.append(f"{where} (the manager's group managers: read kv.plan.groups or ask the manager)")
         elif member in STEP_PATH and not may_drive:
             found.append(f"{where} (a step-path call: only the scheduler drives the KV manager)")
     return found
@@ -98,6 +101,7 @@ def test_the_declared_drivers_exist():
     ("def f(self):\n    return self.kv._prepare([1, 2], None)\n", "a private member"),
     ("def f(kv):\n    kv.pool.release([3])\n", "the manager's pool"),
     ("def f(engine):\n    return getattr(engine.kv, 'pool', None)\n", "the manager's pool"),
+    ("def f(kv):\n    return [g.tokens_per_page for g in kv.groups]\n", "the manager's group managers"),
     ("from agentjax.kv import KVCacheManager\n\ndef f(manager):\n    manager._requests.clear()\n", "a private member"),
     ("def f(KVCacheManager):\n    m = KVCacheManager.full_attention(64)\n    m.allocate('r', [1])\n", "a step-path call"),
 ])
@@ -113,3 +117,32 @@ def test_the_check_lets_the_scheduler_and_the_public_face_through(tmp_path):
     path.write_text("def f(self):\n    self.kv.allocate('r', [1])\n    return self.kv.stats(), self.kv.lookup([1])\n")
     assert _offences(path, "agentjax/scheduler/ok.py") == []
     assert len(_offences(path, "agentjax/engine.py")) == 1  # allocate; stats and lookup are reads
+
+
+def test_the_group_reads_answer_what_callers_asked_the_group_managers():
+    """`prefix_group`, `hashes_per_page`, `page_table_lengths` and `page_keys` give what the engine's warm-up,
+    the KV event view, the launcher and the router simulator read from `kv.groups` before."""
+    from agentjax.kv import (FullAttentionSpec, KVCacheManager, RecurrentStateSpec, SlidingWindowSpec,
+                             block_hashes)
+
+    full = FullAttentionSpec(num_kv_heads=1, head_dim=8, dtype_bytes=2)  # 32 bytes a token
+    sliding = SlidingWindowSpec(num_kv_heads=1, head_dim=8, dtype_bytes=2, sliding_window=8)
+    state = RecurrentStateSpec(bytes_per_state=256, checkpoint_interval=8)  # pages of 8 tokens
+    kv = KVCacheManager.from_specs([sliding, state, full], 64, block_size=4, cache_on_allocate=False)
+    assert [(g.spec.hit_rule, g.tokens_per_page) for g in kv.plan.groups] == [
+        ("window", 8), ("checkpoint", 8), ("prefix", 8)]
+    assert kv.prefix_group() is kv.plan.groups[2]
+    assert [kv.hashes_per_page(g) for g in range(3)] == [2, 2, 2]
+    assert KVCacheManager.from_specs([sliding, state], 64, block_size=4).prefix_group() is None
+
+    prompt = list(range(100, 119))  # 19 tokens: 3 pages of 8, the last one partial
+    assert kv.page_table_lengths(len(prompt)) == (3, 1, 3)  # a state group holds its running page
+    assert kv.allocate("a", prompt, cache_salt="salt")
+    assert tuple(len(pages) for pages in kv.block_ids("a")) == kv.page_table_lengths(len(prompt))
+
+    keys = kv.page_keys(2, prompt, "salt")
+    assert keys == block_hashes(prompt, 4, "salt")[1::2] and len(keys) == 2  # each full page's last hash
+    kv.cache_blocks("a", len(prompt))
+    index = kv.cached_index(2)
+    assert all(key in index for key in keys)
+    assert kv.page_keys(2, prompt) != keys  # the salt names a namespace of its own

@@ -39,20 +39,22 @@ def test_the_ready_line_names_the_url_model_and_kv_capacity_in_tokens_and_memory
     from agentjax.config import EngineConfig
     from agentjax.server.launcher import ready_line
 
-    def group(kind: str, tokens: int, rule: str):
-        return SimpleNamespace(tokens_per_page=tokens, group=SimpleNamespace(spec=SimpleNamespace(kind=kind, hit_rule=rule)))
+    def kv(*groups):  # the KV manager's face the ready line reads (agentjax/kv/manager_reads.py)
+        prefix = next((g for g in groups if g.spec.hit_rule == "prefix"), None)
+        return SimpleNamespace(num_pages=1001, prefix_group=lambda: prefix)
+
+    def group(group_id: int, kind: str, tokens: int, rule: str):
+        return SimpleNamespace(group_id=group_id, tokens_per_page=tokens, spec=SimpleNamespace(kind=kind, hit_rule=rule))
 
     # a MiniMax-M3-like pool: 128-token pages of full attention and indexer keys; 2 GiB of buffers
-    engine = SimpleNamespace(kv=SimpleNamespace(num_pages=1001,
-                                                groups=[group("full_attention", 128, "prefix"),
-                                                        group("indexer_keys", 128, "prefix")]),
+    engine = SimpleNamespace(kv=kv(group(0, "full_attention", 128, "prefix"), group(1, "indexer_keys", 128, "prefix")),
                              config=EngineConfig(block_size=128),
                              runner=SimpleNamespace(kv_pages=(np.zeros(2**30, np.uint8), np.zeros(2**30, np.uint8))))
     line = ready_line(engine, "minimax", "MiniMax-M3", "127.0.0.1", 8000, 12.34)
     assert line == ("ready on http://127.0.0.1:8000/v1 serving 'minimax' (MiniMax-M3); KV cache: 128,000 tokens "
                     "(1,000 pages of 128) in 2.00 GiB; started in 12.3 s")
     # a recurrent-state group first (Kimi-K3): capacity counts the MLA group's tokens per page
-    engine.kv.groups = [group("recurrent_state", 64, "checkpoint"), group("mla_latent", 16, "prefix")]
+    engine.kv = kv(group(0, "recurrent_state", 64, "checkpoint"), group(1, "mla_latent", 16, "prefix"))
     engine.runner.kv_pages = (np.zeros(3 * 2**20, np.uint8),)
     assert "KV cache: 16,000 tokens (1,000 pages of 16) in 3.0 MiB" in ready_line(engine, "k", "K", "::1", 1, 0)
     engine.runner.kv_pages = (np.zeros(2**30 - 2**20, np.uint8),)  # 1 GiB's worth of whole pages: a bit less
