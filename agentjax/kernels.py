@@ -28,6 +28,7 @@ from pallas_kernels import mla_attention as _mla
 from pallas_kernels import moe_grouped_matmul as _gmm
 from pallas_kernels import paged_decode_attention_mgpu as _decode
 from pallas_kernels import ragged_paged_attention as _rpa
+from pallas_kernels import ragged_paged_attention_kernels as _rpa_kernels
 
 ATTENTION_IMPLS = ("auto", "reference", "kernel")
 
@@ -88,16 +89,16 @@ def ragged_paged_attention(*args, impl: str = "reference", **kwargs):
 def attention_kernels(*args, on_gpu: bool, **kwargs):
     """The kernel choice of `ragged_paged_attention(impl="kernel")` for a GPU or, interpreted, a CPU."""
     if not on_gpu:
-        return _rpa.ragged_paged_attention_kernel(*args, interpret=True, **kwargs)
+        return _rpa_kernels.ragged_paged_attention_kernel(*args, interpret=True, **kwargs)
     q, kv_pages, kv_lens, cu_q_lens = args[0], args[3], args[4], args[6]
     if kwargs.get("batch_invariant") or _decode.unsupported_shapes(q, kv_pages):
-        return _rpa.ragged_paged_attention_kernel(*args, **kwargs)
+        return _rpa_kernels.ragged_paged_attention_kernel(*args, **kwargs)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     decode_only = jnp.all((q_lens == 1) | (kv_lens == 0))
     return jax.lax.cond(
         decode_only,
         functools.partial(_decode.decode_attention_step, **kwargs),
-        functools.partial(_rpa.ragged_paged_attention_kernel, **kwargs),
+        functools.partial(_rpa_kernels.ragged_paged_attention_kernel, **kwargs),
         *args,
     )
 

@@ -23,7 +23,8 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
 from pallas_kernels.block_sparse_attention import write_index_keys
-from pallas_kernels.ragged_paged_attention import _next_power_of_two, work_items, write_kv
+from pallas_kernels.ragged_paged_attention import write_kv
+from pallas_kernels.ragged_work import next_power_of_two, work_items
 
 _NEG_LARGE = -1e30
 _NO_BLOCK = 2**30  # larger than any block id
@@ -31,7 +32,7 @@ _NO_BLOCK = 2**30  # larger than any block id
 
 def _check_power_of_two(op: str, **values: int) -> None:
     for name, value in values.items():
-        if value != _next_power_of_two(value) or (name not in ("block_size", "page_size") and value < 16):
+        if value != next_power_of_two(value) or (name not in ("block_size", "page_size") and value < 16):
             raise KernelShapeError(f"{op}: {name}={value} must be a power of two (>= 16 for tiles and dot rows)")
 
 
@@ -54,7 +55,7 @@ def _block_scores_kernel(
     context = kv_lens_ref[seq] - (seq_end - seq_start)
     position = context + (token - seq_start)
     kv_end = context + (start - seq_start) + count
-    lane = jnp.arange(max(16, _next_power_of_two(dim)), dtype=jnp.int32)
+    lane = jnp.arange(max(16, next_power_of_two(dim)), dtype=jnp.int32)
     lane_used = lane < dim
     q = plt.load(q_ref.at[token[:, None], head[:, None], lane[None, :]],
                  mask=row_used[:, None] & lane_used[None, :], other=0)
@@ -112,7 +113,7 @@ def block_scores_kernel(
     powers of two; `query_rows // index_heads` tokens share each key tile."""
     num_tokens, num_heads, dim = q.shape
     num_slots, num_pages, page_size, key_dim = index_pages.shape
-    heads_per_token = _next_power_of_two(num_heads)
+    heads_per_token = next_power_of_two(num_heads)
     query_rows = max(query_rows, heads_per_token)
     _check_power_of_two("block_scores_kernel", block_size=block_size, query_rows=query_rows, kv_block=kv_block)
     if key_dim != dim:
@@ -258,7 +259,7 @@ def _sparse_attention_kernel(
     head = unit * per_unit + jnp.minimum(row, per_unit - 1)
     # In interpret mode unused rows store into a spare head column, never onto a used row's address.
     store_head = jnp.where(row_used, head, out_ref.shape[1] - 1) if interpret else head
-    lane = jnp.arange(max(16, _next_power_of_two(dim)), dtype=jnp.int32)
+    lane = jnp.arange(max(16, next_power_of_two(dim)), dtype=jnp.int32)
     lane_used = lane < dim
     q = plt.load(q_ref.at[jnp.full((rows, 1), token, jnp.int32), head[:, None], lane[None, :]],
                  mask=row_used[:, None] & lane_used[None, :], other=0)
@@ -326,9 +327,9 @@ def sparse_attention_kernel(
     blocks = jnp.sort(jnp.where(selected < 0, _NO_BLOCK, selected), axis=-1)
     blocks = jnp.where(blocks == _NO_BLOCK, -1, blocks).astype(jnp.int32)
     kernel = functools.partial(
-        _sparse_attention_kernel, per_unit=per_unit, rows=max(16, _next_power_of_two(per_unit)),
+        _sparse_attention_kernel, per_unit=per_unit, rows=max(16, next_power_of_two(per_unit)),
         units_per_kv_head=units // num_kv_heads, units_per_index_head=units // num_index_heads,
-        num_kv_heads=num_kv_heads, block_size=block_size, tile=max(16, _next_power_of_two(block_size)),
+        num_kv_heads=num_kv_heads, block_size=block_size, tile=max(16, next_power_of_two(block_size)),
         page_size=page_size, num_pages=num_pages, dim=dim, sm_scale=float(sm_scale), interpret=bool(interpret))
     spare = 1 if interpret else 0
     out = pl.pallas_call(

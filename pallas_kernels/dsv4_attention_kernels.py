@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
 from pallas_kernels.dsv4_indexer_kernels import _check_tiles, _lanes
-from pallas_kernels.ragged_paged_attention import _next_power_of_two
+from pallas_kernels.ragged_work import next_power_of_two
 
 _NEG_LARGE = -1e30
 
@@ -136,7 +136,7 @@ def sliding_compressed_attention_kernel(
     del batch_invariant
     num_tokens, num_heads, dim = q.shape
     num_slots, num_window_pages, page_size, row_dim = window_pages.shape
-    head_block = head_block or max(16, _next_power_of_two(min(num_heads, 64)))
+    head_block = head_block or max(16, next_power_of_two(min(num_heads, 64)))
     _check_tiles("sliding_compressed_attention_kernel", head_block=head_block, kv_block=kv_block)
     if row_dim != dim or sinks.shape != (num_heads,):
         raise KernelShapeError(f"sliding_compressed_attention_kernel: q {q.shape}, window pages {window_pages.shape} "

@@ -26,19 +26,19 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.ragged_paged_attention import _next_power_of_two
+from pallas_kernels.ragged_work import next_power_of_two
 
 _INT_MIN = -(2**31)
 
 
 def _check_tiles(op: str, **values: int) -> None:
     for name, value in values.items():
-        if value != _next_power_of_two(value) or value < 16:
+        if value != next_power_of_two(value) or value < 16:
             raise KernelShapeError(f"{op}: {name}={value} must be a power of two >= 16 (tiles and dot rows)")
 
 
 def _lanes(width: int):
-    lane = jnp.arange(max(16, _next_power_of_two(width)), dtype=jnp.int32)
+    lane = jnp.arange(max(16, next_power_of_two(width)), dtype=jnp.int32)
     return lane, lane < width
 
 
@@ -137,7 +137,7 @@ def indexer_scores_kernel(
     if key_dim != dim or weights.shape != (num_tokens, num_heads):
         raise KernelShapeError(f"indexer_scores_kernel: q {q.shape}, weights {weights.shape} and key pages "
                                f"{key_pages.shape} do not fit")
-    heads_per_token = _next_power_of_two(num_heads)
+    heads_per_token = next_power_of_two(num_heads)
     tokens_per_item = 1 if one_token_per_item else max(1, query_rows // heads_per_token)
     rows = max(16, tokens_per_item * heads_per_token)
     _check_tiles("indexer_scores_kernel", kv_block=kv_block, rows=rows)
@@ -258,7 +258,7 @@ def topk_entries_kernel(
     its ended entries (at most `num_entries`), best first, ties to the lower entry, -1 padded."""
     num_tokens = scores.shape[0]
     _check_tiles("topk_entries_kernel", chunk=chunk, order_tile=order_tile)
-    padded_topk = max(order_tile, _next_power_of_two(topk))
+    padded_topk = max(order_tile, next_power_of_two(topk))
     ended = _entries_ended(token_positions, ratio, num_entries)
     keep = jnp.minimum(ended, topk).astype(jnp.int32)
     spare = 1 if interpret else 0

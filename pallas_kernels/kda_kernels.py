@@ -25,14 +25,14 @@ from jaxtyping import Array, Float, Int
 from agentjax.errors import KernelShapeError
 from pallas_kernels import kda, kda_states
 from pallas_kernels.kda_recurrence import read_states, row_spans
-from pallas_kernels.ragged_paged_attention import _next_power_of_two
+from pallas_kernels.ragged_work import next_power_of_two
 
 # Tokens per chunk of the chunked kernel: the smallest dot a Triton kernel takes.
 KERNEL_CHUNK = 16
 
 
 def _lanes(count: int, minimum: int = 1) -> tuple[Array, Array]:
-    lane = jnp.arange(max(minimum, _next_power_of_two(count)), dtype=jnp.int32)
+    lane = jnp.arange(max(minimum, next_power_of_two(count)), dtype=jnp.int32)
     return lane, lane < count
 
 
@@ -180,10 +180,10 @@ def delta_rule_kernel(
         raise KernelShapeError(f"delta_rule_kernel: q {q.shape}, v {v.shape} and state pages {state_pages.shape} "
                                f"do not fit (a page holds at least {num_heads * dim * dim} floats)")
     if value_block is None:
-        value_block = min(_next_power_of_two(dim), 64)
+        value_block = min(next_power_of_two(dim), 64)
     if not decode:
         value_block = max(value_block, 16)
-    if value_block != _next_power_of_two(value_block):
+    if value_block != next_power_of_two(value_block):
         raise KernelShapeError(f"delta_rule_kernel: value_block={value_block} must be a power of two")
     num_seqs = kv_lens.shape[0]
     options = dict(dim=dim, value_block=value_block, num_pages=num_pages)

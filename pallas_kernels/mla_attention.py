@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 from agentjax.errors import KernelShapeError
 from agentjax.numerics import map_row_blocks
 from pallas_kernels.kv_fp8 import load_rows, store_rows
-from pallas_kernels.ragged_paged_attention import _next_power_of_two, merge_attention_partials, work_items
+from pallas_kernels.ragged_work import merge_attention_partials, next_power_of_two, work_items
 
 # Query tokens per block in the fast path: a block inside one sequence shares its page gathers.
 FAST_QUERY_BLOCK = 64
@@ -207,7 +207,7 @@ def _mla_decode_kernel(
     split_hi = jnp.minimum(split_lo + per_split, block_hi)
 
     def lanes(first, width):
-        lane = jnp.arange(_next_power_of_two(width), dtype=jnp.int32)
+        lane = jnp.arange(next_power_of_two(width), dtype=jnp.int32)
         return first + lane, lane < width
 
     value_lane, value_lane_used = lanes(0, value_dim)
@@ -296,13 +296,13 @@ def mla_attention_kernel(
         raise KernelShapeError(f"mla_attention_kernel: q {q.shape} does not fit latent_pages {latent_pages.shape} "
                                f"with value_dim={value_dim} (widths must match and value_dim <= {width})")
     if head_block is None:
-        head_block = _next_power_of_two(min(num_heads, 64))
+        head_block = next_power_of_two(min(num_heads, 64))
     if query_rows is None:
         query_rows = 16 if num_tokens <= kv_lens.shape[0] else 64
     query_rows = max(query_rows, head_block)
     for name, value in (("head_block", head_block), ("query_rows", query_rows), ("kv_block", kv_block),
                         ("page_size", page_size)):
-        if value != _next_power_of_two(value) or (name in ("query_rows", "kv_block") and value < 16):
+        if value != next_power_of_two(value) or (name in ("query_rows", "kv_block") and value < 16):
             raise KernelShapeError(f"mla_attention_kernel: {name}={value} must be a power of two "
                                    "(>= 16 for query_rows and kv_block)")
     if num_kv_splits < 1:

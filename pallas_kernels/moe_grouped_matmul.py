@@ -20,7 +20,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.ragged_paged_attention import work_items
+from pallas_kernels.ragged_work import work_items
 
 MXFP4_BLOCK = 32  # contraction elements sharing one E8M0 scale
 # E2M1 magnitudes of codes 0..7 (bit 3 is the sign).

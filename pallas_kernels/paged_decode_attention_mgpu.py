@@ -18,7 +18,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.ragged_paged_attention import merge_attention_partials, write_kv
+from pallas_kernels.ragged_paged_attention import write_kv
+from pallas_kernels.ragged_work import merge_attention_partials
 
 WGMMA_ROWS = 64  # a warpgroup matmul's row count: the padded query rows of one GQA group
 _NEG_LARGE = -1e30

@@ -47,6 +47,7 @@ def check_ragged_attention_mixed(rec: Recorder, dry: bool, context: dict) -> boo
 
     from agentjax.ragged_batch import RaggedBatch
     from pallas_kernels import ragged_paged_attention as rpa
+    from pallas_kernels import ragged_paged_attention_kernels as rpa_kernels
 
     shapes = _attention_shapes(dry)
     rng = np.random.default_rng(1)
@@ -78,7 +79,7 @@ def check_ragged_attention_mixed(rec: Recorder, dry: bool, context: dict) -> boo
         args = (q, k, v, kv_pages, batch.kv_lens, batch.page_indices[0], batch.cu_q_lens)
         with jax.default_matmul_precision("highest"):
             want = jax.jit(functools.partial(rpa.ragged_paged_attention, **common))(*args)
-        got = jax.jit(functools.partial(rpa.ragged_paged_attention_kernel, interpret=dry, **common, **kernel_only))(*args)
+        got = jax.jit(functools.partial(rpa_kernels.ragged_paged_attention_kernel, interpret=dry, **common, **kernel_only))(*args)
         figures = dict(out_relative_error=relative_error(got[0][:real], want[0][:real]),
                        lse_max_error=lse_error(got[2][:real], want[2][:real]),
                        kv_pages_equal=bool(jnp.array_equal(got[1], want[1])))
@@ -144,7 +145,7 @@ def check_decode_attention_triton(rec: Recorder, dry: bool, context: dict) -> bo
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.ragged_paged_attention import paged_attention_kernel
+    from pallas_kernels.ragged_paged_attention_kernels import paged_attention_kernel
 
     def attend(shapes, options):
         def run(q, kv_pages, kv_lens, tables):

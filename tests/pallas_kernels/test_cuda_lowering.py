@@ -19,7 +19,7 @@ from pallas_kernels import kda_kernels
 from pallas_kernels import mla_attention as mla
 from pallas_kernels import moe_grouped_matmul as gmm
 from pallas_kernels import paged_decode_attention_mgpu as decode
-from pallas_kernels import ragged_paged_attention as rpa
+from pallas_kernels import ragged_paged_attention_kernels as rpa
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
