@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -46,47 +45,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts below, however this one is run
+
+from bench_generate_peers import Peer, PeerError, log, time_starts  # noqa: E402
+from bench_generate_prompts import build_prompts, compare, divergence  # noqa: E402
+from benchmarks_md import write_section  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
-PEER = Path(__file__).resolve().parent / "bench_generate_hf_peer.py"
-BASELINE_PEER = Path(__file__).resolve().parent / "bench_generate_agentjax_peer.py"
 SECTION = "## Generation (SmolLM2-135M, CPU)"
 VENV_HINT = (
     "python3 -m venv HF_VENV && HF_VENV/bin/pip install torch==2.13.0 transformers accelerate gguf"
 )
-
-# Sixteen short instructions for the throughput batches (one each; batch 1 uses the first).
-REQUESTS = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain how a hash table handles collisions, with an example.",
-    "List five things to check before deploying a web service to production.",
-    "What causes the seasons on Earth? Answer for a ten-year-old.",
-    "Describe the water cycle in a few sentences.",
-    "Give me a recipe for a simple vegetable soup.",
-    "Summarise the plot of a detective novel you would like to read.",
-    "How does a binary search work, and when does it fail?",
-    "Write a polite email asking a colleague to review a pull request.",
-    "Why do programmers write unit tests? Give three reasons.",
-    "Describe a quiet morning in a small mountain village.",
-    "What is the difference between a process and a thread?",
-    "Suggest a plan for learning to play the guitar in three months.",
-    "Explain what a compiler does, step by step.",
-    "Write a haiku about autumn rain and then explain it.",
-    "How do bees make honey? Keep it short.",
-]
-
-# Filler for long prompts: a plain-English paragraph, repeated and cut to length.
-CONTEXT = (
-    "The old harbour town woke slowly. Fishing boats came in with the tide, gulls circled the market, "
-    "and the baker opened his shutters while the streets were still wet from the night rain. Children "
-    "ran past the church on their way to school, and the ferry to the island sounded its horn twice. "
-    "In the library on the hill, a retired engineer was sorting notes about the bridge he had built "
-    "forty years earlier: load tables, sketches of the foundations, letters from the council, and a "
-    "photograph of the opening day. He wanted to write down what had gone right, what had nearly gone "
-    "wrong, and what he would do differently if he were young again and the river were still wild. "
-)
-
-DIVERGENCE_LENGTHS = [3, 9, 14, 22, 31, 40, 52, 63, 77, 90, 108, 126, 149, 173, 201, 236]
-
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,110 +87,6 @@ def limit_threads(threads: int) -> str:
     return f"the process may use {len(allowed)} CPUs, no pinning needed"
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# ---- the transformers peer ---------------------------------------------------------------------
-class PeerError(RuntimeError):
-    pass
-
-
-class Peer:
-    """A peer process (transformers, or agentjax at another revision): one JSON request a line in,
-    one JSON reply a line out."""
-
-    def __init__(self, command: list[str], env: dict | None = None, cwd: Path | None = None):
-        self.log_file = tempfile.NamedTemporaryFile("w+", prefix="bench-peer-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file,
-                                     text=True, bufsize=1, env=env, cwd=cwd)
-        self.info = self._read()
-
-    @classmethod
-    def transformers(cls, python: str, gguf: Path, threads: int) -> "Peer":
-        return cls([python, str(PEER), "--gguf", str(gguf), "--threads", str(threads)])
-
-    @classmethod
-    def agentjax_at(cls, worktree: Path, revision: str, threads: int, engine_args: dict) -> "Peer":
-        env = dict(os.environ, PYTHONPATH=str(worktree))
-        return cls([sys.executable, str(BASELINE_PEER), "--threads", str(threads), "--engine-args",
-                    json.dumps(engine_args), "--revision", revision], env=env, cwd=worktree)
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            self.log_file.seek(0)
-            tail = self.log_file.read()[-2000:]
-            raise PeerError(f"the peer exited ({self.proc.returncode}); its log ends:\n{tail}")
-        return json.loads(line)
-
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": prompts, "max_new_tokens": new_tokens}) + "\n")
-        reply = self._read()
-        return reply["seconds"], reply["new_token_ids"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        os.unlink(self.log_file.name)
-
-
-# ---- LLM() start, cold and warm ------------------------------------------------------------------
-START_CHILD = """
-import json, time
-t0 = time.perf_counter()
-from agentjax.llm import LLM
-t1 = time.perf_counter()
-llm = LLM(None, numerics="fast")
-t2 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "llm_s": t2 - t1}))
-"""
-
-
-def time_starts() -> list[dict]:
-    """Two fresh subprocesses sharing one empty AGENTJAX_CACHE: the first converts, the second restores."""
-    results = []
-    with tempfile.TemporaryDirectory(prefix="agentjax-bench-cache-") as cache:
-        env = dict(os.environ, AGENTJAX_CACHE=cache)
-        for label in ("cold", "warm"):
-            started = time.perf_counter()
-            done = subprocess.run([sys.executable, "-c", START_CHILD], cwd=REPO, env=env,
-                                  capture_output=True, text=True)
-            wall = time.perf_counter() - started
-            if done.returncode:
-                raise RuntimeError(f"the {label} LLM() start failed:\n{done.stderr[-2000:]}")
-            figures = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
-            figures.update(label=label, process_s=wall,
-                           cache_entries=sorted(p.name for p in (Path(cache) / "converted").glob("*")))
-            results.append(figures)
-            log(f"LLM() {label}: {figures['llm_s']:.1f}s (+{figures['import_s']:.1f}s import, "
-                f"{wall:.1f}s whole process)")
-    return results
-
-
-# ---- prompts -----------------------------------------------------------------------------------
-def build_prompts(tokenizer, args: argparse.Namespace) -> tuple[list[list[int]], list[int], list[list[int]]]:
-    """Token ids: the decode batch, the long prefill prompt, and the divergence prompts."""
-    requests = [tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
-                for text in REQUESTS]
-    decode = [requests[i % len(requests)] for i in range(args.batch)]
-    context = tokenizer.encode(CONTEXT)
-    repeats = -(-max(args.prefill_tokens, max(DIVERGENCE_LENGTHS) + len(context)) // len(context)) + 1
-    stream = context * repeats
-    long_prompt = stream[: args.prefill_tokens]
-    divergence = []
-    for i, length in enumerate(DIVERGENCE_LENGTHS):
-        offset = (i * 37) % len(context)
-        divergence.append(stream[offset : offset + length] + requests[i % len(requests)])
-    return decode, long_prompt, divergence
-
-
 # ---- measurements ------------------------------------------------------------------------------
 @dataclass
 class Figure:
@@ -235,28 +100,6 @@ class Figure:
     @property
     def median(self) -> float | None:
         return statistics.median(self.rates) if self.seconds else None
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def compare(batch: list[list[int]], alone: list[list[int]]) -> dict:
-    firsts = [first_difference(x, y) for x, y in zip(batch, alone)]
-    differ = [(i, p) for i, p in enumerate(firsts) if p is not None]
-    return {"differ": len(differ), "of": len(batch), "first_positions": differ}
-
-
-def divergence(llm, prompts: list[list[int]], new_tokens: int) -> dict:
-    from agentjax import SamplingParams
-
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    batch = [o.token_ids for o in llm.generate(prompts, sp)]
-    alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
-    return compare(batch, alone)
 
 
 def fmt_rate(value: float | None) -> str:
@@ -288,23 +131,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def write_section(path: Path, body: str) -> None:
-    """Replace (or append) our section of `path`, keeping every other section as it is."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        kept_after = "\n".join(lines[end:])
-        new = "\n".join(lines[:start]).rstrip("\n")
-        new = (new + "\n\n" if new else "") + body.rstrip("\n") + "\n"
-        if kept_after:
-            new += "\n" + kept_after.rstrip("\n") + "\n"
-    path.write_text(new)
 
 
 def main() -> None:
@@ -522,7 +348,7 @@ def main() -> None:
     print()
     print(body)
     if not args.no_write:
-        write_section(args.output, body)
+        write_section(body, args.output)
         log(f"wrote the section to {args.output}")
 
 

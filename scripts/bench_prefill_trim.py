@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.bench_generate import build_prompts, limit_threads  # noqa: E402
+from scripts.bench_generate import limit_threads  # noqa: E402
+from scripts.bench_generate_prompts import build_prompts  # noqa: E402
 from scripts.benchmarks_md import write_section  # noqa: E402
 
 SECTION = "## Prefill steps trimmed to a token bucket (SmolLM2-135M, on and off)"
