@@ -67,6 +67,15 @@ def _check_impl(op: str, impl: str, available: tuple[str, ...], fp8_kv: bool = F
     return impl
 
 
+def _paged_impl(op: str, impl: str, kwargs: dict) -> str:
+    """`_check_impl` for an op over KV pages that may hold FP8 rows (`kwargs["fp8_kv"]`, which the models
+    always pass): the kernels read plain pages only and take no `fp8_kv`, so it leaves `kwargs` for them."""
+    chosen = _check_impl(op, impl, ("reference", "kernel"), kwargs.get("fp8_kv", False))
+    if chosen == "kernel":
+        kwargs.pop("fp8_kv", None)  # False here: FP8 pages with "kernel" were refused above
+    return chosen
+
+
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
@@ -81,7 +90,7 @@ def ragged_paged_attention(*args, impl: str = "reference", **kwargs):
     """
     if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
         return impl.ragged_paged_attention(*args, **kwargs)
-    if _check_impl("ragged_paged_attention", impl, ("reference", "kernel"), kwargs.get("fp8_kv", False)) == "reference":
+    if _paged_impl("ragged_paged_attention", impl, kwargs) == "reference":
         return _rpa.ragged_paged_attention(*args, **kwargs)
     return attention_kernels(*args, on_gpu=_on_gpu(), **kwargs)
 
@@ -117,7 +126,7 @@ def mla_paged_attention(*args, impl: str = "reference", **kwargs):
     which needs the keyword arguments `kv_lens` and `cu_q_lens`."""
     if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
         return impl.mla_paged_attention(*args, **kwargs)
-    if _check_impl("mla_paged_attention", impl, ("reference", "kernel"), kwargs.get("fp8_kv", False)) == "reference":
+    if _paged_impl("mla_paged_attention", impl, kwargs) == "reference":
         return _mla.mla_paged_attention(*args, **kwargs)
     return _mla.mla_paged_attention_kernel(*args, interpret=not _on_gpu(), **kwargs)
 
@@ -139,7 +148,7 @@ def block_sparse_attention(*args, impl: str = "reference", **kwargs):
     (see pallas_kernels.block_sparse_attention). "kernel": the Triton-style kernel (interpret mode on a CPU)."""
     if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
         return impl.block_sparse_attention(*args, **kwargs)
-    if _check_impl("block_sparse_attention", impl, ("reference", "kernel"), kwargs.get("fp8_kv", False)) == "reference":
+    if _paged_impl("block_sparse_attention", impl, kwargs) == "reference":
         return _bsa.block_sparse_attention(*args, **kwargs)
     return _bsa_kernels.block_sparse_attention_kernel(*args, interpret=not _on_gpu(), **kwargs)
 
