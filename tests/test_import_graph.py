@@ -223,27 +223,31 @@ def test_nothing_outside_kv_imports_the_kv_managers_internals():
                     "its internals:\n  " + "\n  ".join(found), pytrace=False)
 
 
+def _write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
 def test_the_internals_check_finds_direct_and_reexported_imports(tmp_path):
-    files = {
+    tree = _write_tree(tmp_path, {
         "agentjax/__init__.py": "",
         "agentjax/kv/__init__.py": "from agentjax.kv.block_pool import BlockPool\nfrom agentjax.kv.specs import KVSpec\n",
         "agentjax/kv/block_pool.py": "BlockPool = object\n",
         "agentjax/kv/specs.py": "from agentjax.kv.block_pool import BlockPool\nKVSpec = object\n",
         "agentjax/server/__init__.py": "",
         "agentjax/server/view.py": "from agentjax.kv import BlockPool, KVSpec\ndef f():\n    import agentjax.kv.block_pool\n",
-    }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    assert internal_kv_imports(module_files(tmp_path, ("agentjax",)), root=tmp_path) == [
+    })
+    assert internal_kv_imports(module_files(tree, ("agentjax",)), root=tree) == [
         "agentjax/server/view.py:1 agentjax.kv.BlockPool", "agentjax/server/view.py:3 agentjax.kv.block_pool"]
-    assert all(name.rpartition(".")[2] and (ROOT / "agentjax/kv" / f"{name.rpartition('.')[2]}.py").is_file()
-               for name in KV_MANAGER_INTERNALS), "a KV internal module named here no longer exists"
+    gone = [name for name in KV_MANAGER_INTERNALS if not (ROOT / (name.replace(".", "/") + ".py")).is_file()]
+    assert not gone, f"KV internal modules named here that no longer exist: {gone}"
 
 
 def test_the_check_finds_circles_and_upward_imports(tmp_path):
     """The two checks above on a small tree made to break both rules, so they can fail."""
-    files = {
+    tree = _write_tree(tmp_path, {
         "agentjax/__init__.py": "",
         "agentjax/llm.py": "from agentjax.outputs import RequestOutput\n",
         "agentjax/outputs.py": "RequestOutput = object\n",
@@ -255,11 +259,8 @@ def test_the_check_finds_circles_and_upward_imports(tmp_path):
         "sharding/mesh.py": "from agentjax.outputs import RequestOutput\nfrom agentjax import llm\n",
         "scripts/one.py": "import two\n",
         "scripts/two.py": "from one import main\n",
-    }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    edges = import_edges(module_files(tmp_path), root=tmp_path)
+    })
+    edges = import_edges(module_files(tree), root=tree)
     assert import_circles(edges) == [["agentjax.kv.a", "agentjax.kv.b", "agentjax.kv.c", "agentjax.kv.a"],
                                      ["scripts.one", "scripts.two", "scripts.one"]]
     assert upward_paths(edges) == [["sharding.mesh", "agentjax.llm"]]
