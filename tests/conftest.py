@@ -62,6 +62,12 @@ MAP_COUNT_TO_RELEASE = 16_000
 RESIDENT_BYTES_TO_RELEASE = 4 << 30 if os.environ.get("PYTEST_XDIST_WORKER") else float("inf")
 
 
+def _release_executables(jax) -> None:
+    jax.clear_caches()
+    gc.collect()
+    _trim_malloc()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def release_compiled_executables(request):
     """Drop every compiled executable after a module once the process holds many memory mappings
@@ -78,15 +84,30 @@ def release_compiled_executables(request):
     jax = sys.modules.get("jax")  # host-only test modules never import jax
     released = jax is not None and (count > MAP_COUNT_TO_RELEASE or resident > RESIDENT_BYTES_TO_RELEASE)
     if released:
-        jax.clear_caches()
-        gc.collect()
-        _trim_malloc()
+        _release_executables(jax)
     log = os.environ.get("AGENTJAX_TEST_MEMORY_LOG")
     if log:
         after = f" -> {memory_map_count()} maps {resident_bytes() >> 20} MiB" if released else ""
         with open(log, "a") as out:
             out.write(f"{time.strftime('%H:%M:%S')} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} "
                       f"{request.module.__name__}: {count} maps {resident >> 20} MiB{after}\n")
+
+
+# Within a module, after any test past these (the speculative-decoding files build hundreds of
+# executables in one module: 37,286 mappings in one worker of a fresh-HOME run before this).
+MAP_COUNT_TO_RELEASE_IN_MODULE = 20_000
+RESIDENT_BYTES_TO_RELEASE_IN_MODULE = 6 << 30 if os.environ.get("PYTEST_XDIST_WORKER") else float("inf")
+
+
+@pytest.fixture(autouse=True)
+def release_compiled_executables_within_a_module():
+    """The module-end release above, after a single test, once a module alone has grown the process
+    far past it: the suite's bounds (tests/suite_report.py) are per process, not per module."""
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None and (memory_map_count() > MAP_COUNT_TO_RELEASE_IN_MODULE
+                            or resident_bytes() > RESIDENT_BYTES_TO_RELEASE_IN_MODULE):
+        _release_executables(jax)
 
 
 # Under pytest-xdist's `--dist loadfile` (scripts/bootstrap.sh test): files that share one worker, so
