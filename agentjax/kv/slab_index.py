@@ -1,0 +1,226 @@
+"""What a `SlabPool` (agentjax/kv/slab_pool.py) keeps up to date so that no allocation scans a group's
+page range: per group its cached free pages, its wholly free slabs and its owned slabs; the free pages
+with nothing cached, lowest id first; the unowned slabs, lowest first; and for window and state groups
+their free pages in the order `densest_free` takes them. Heaps are lazy: an entry counts while it
+still describes its page (checked on pop), and a heap is compacted when stale entries outnumber the
+live ones, so every update costs O(pages touched x log). `check` recomputes it all (tests).
+Host only: never imports jax.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+FREE_SLAB = -1
+# A lazy heap is compacted once it holds this many entries more than twice its live ones.
+COMPACT_SLACK = 1024
+
+
+class SlabIndex:
+    """The incremental bookkeeping of one `SlabPool`; the pool reports every change to it."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        groups = len(pool.pages_per_slab)
+        self.cached_free: list[set[int]] = [set() for _ in range(groups)]
+        self.whole: list[set[int]] = [set() for _ in range(groups)]  # owned slabs none of whose pages is held
+        self.owned = np.zeros(groups, dtype=np.int64)
+        self.empty_heap: list[list[int]] = [[] for _ in range(groups)]  # free pages holding nothing
+        self.unowned_heap = list(range(1, pool.num_slabs))
+        # window and state groups: (cached, -held, stamp, page) while free slabs remain, else (-held, cached, stamp, page)
+        self.dense: list[tuple[list, list] | None] = [([], []) if b else None for b in pool.bounded]
+
+    # -- what the pool reports -------------------------------------------------------------------
+    def freed(self, pages: np.ndarray, dense: bool = True) -> None:
+        """`pages` (one group's or several) just became free: reference count 0, stamp set (`dense`:
+        list them for the window and state groups' order; False where `held_changed` did)."""
+        if not len(pages):
+            return
+        pool = self.pool
+        groups = pool.group_of(pages)
+        cached = pool.page_group[pages] >= 0
+        for page, group, is_cached in zip(pages.tolist(), groups.tolist(), cached.tolist()):
+            if is_cached:
+                self.cached_free[group].add(page)
+            else:
+                heapq.heappush(self.empty_heap[group], page)
+        if dense:
+            self._push_dense(pages, groups)
+
+    def taken(self, pages: np.ndarray) -> None:
+        """`pages` (all free now) are about to be held or to leave their group."""
+        if not len(pages):
+            return
+        pool = self.pool
+        cached = pages[pool.page_group[pages] >= 0]
+        if len(cached):
+            for page, group in zip(cached.tolist(), pool.group_of(cached).tolist()):
+                self.cached_free[group].discard(page)
+
+    def cached_changed(self, page: int, group: int, cached: bool) -> None:
+        """Free `page` of `group` now holds a block (`cached`) or no longer does."""
+        if cached:
+            self.cached_free[group].add(page)
+        else:
+            self.cached_free[group].discard(page)
+            heapq.heappush(self.empty_heap[group], page)
+        self._push_dense(np.asarray([page], dtype=np.int64), np.asarray([group]))
+
+    def held_changed(self, slabs: np.ndarray, before: np.ndarray) -> None:
+        """The held counts of the distinct owned `slabs` changed from `before`."""
+        pool = self.pool
+        after = pool.slab_held[slabs]
+        owners = pool.slab_owner[slabs]
+        for slab, owner, was, now in zip(slabs.tolist(), owners.tolist(), before.tolist(), after.tolist()):
+            if was == 0 and now:
+                self.whole[owner].discard(slab)
+            elif now == 0 and was:
+                self.whole[owner].add(slab)
+            if self.dense[owner] is not None:
+                pages = pool.slab_pages(slab, owner)
+                free = pages[pool.ref_counts[pages] == 0]
+                self._push_dense(free, np.full(len(free), owner))
+
+    def owner_changed(self, slab: int, old: int, new: int) -> None:
+        """`slab` went from `old` to `new` (either may be FREE_SLAB); none of its pages is held."""
+        if old >= 0:
+            self.whole[old].discard(slab)
+            self.owned[old] -= 1
+        if new >= 0:
+            self.whole[new].add(slab)
+            self.owned[new] += 1
+        else:
+            heapq.heappush(self.unowned_heap, slab)
+
+    # -- what the pool asks ------------------------------------------------------------------------
+    def num_cached_free(self, group: int) -> int:
+        return len(self.cached_free[group])
+
+    def whole_counts(self) -> np.ndarray:
+        return np.asarray([len(slabs) for slabs in self.whole], dtype=np.int64)
+
+    def first_unowned(self) -> int:
+        heap, owner = self.unowned_heap, self.pool.slab_owner
+        while heap and owner[heap[0]] != FREE_SLAB:
+            heapq.heappop(heap)
+        if not heap:
+            raise LookupError("no unowned slab")
+        return heap[0]
+
+    def pop_empty(self, group: int, count: int) -> list[int]:
+        """Up to `count` free pages of `group` holding nothing, lowest id first; the caller takes them."""
+        heap = self.empty_heap[group]
+        ref_counts, page_group = self.pool.ref_counts, self.pool.page_group
+        out: list[int] = []
+        last = -1
+        while heap and len(out) < count:
+            page = heapq.heappop(heap)
+            if page != last and ref_counts[page] == 0 and page_group[page] < 0:
+                out.append(page)
+                last = page  # equal entries come out together: a page listed twice is taken once
+        self._maybe_compact_empty(group)
+        return out
+
+    def cached_free_sorted(self, group: int) -> np.ndarray:
+        return np.fromiter(sorted(self.cached_free[group]), dtype=np.int64, count=len(self.cached_free[group]))
+
+    def pop_dense(self, group: int, count: int, pinned) -> np.ndarray:
+        """`densest_free`'s choice: `count` free pages of window or state `group` in its order,
+        unpinned first (pinned ones met on the way are set aside and go back)."""
+        pool = self.pool
+        mode = 0 if pool.num_unowned else 1
+        heap = self.dense[group][mode]
+        chosen: list[tuple] = []
+        aside: list[tuple] = []
+        seen: set[int] = set()
+        while len(chosen) < count and heap:
+            batch = []
+            while heap and len(batch) < count - len(chosen):
+                entry = heapq.heappop(heap)
+                page = entry[3]
+                if page not in seen and self._dense_live(entry, group, mode):
+                    seen.add(page)
+                    batch.append(entry)
+            if not batch:
+                break
+            if pinned is not None:
+                marks = pinned(np.asarray([entry[3] for entry in batch], dtype=np.int64)).tolist()
+                chosen += [entry for entry, mark in zip(batch, marks) if not mark]
+                aside += [entry for entry, mark in zip(batch, marks) if mark]
+            else:
+                chosen += batch
+        if len(chosen) < count:  # every unpinned free page is chosen: pinned ones, in the same order
+            extra = count - len(chosen)
+            chosen += aside[:extra]
+            aside = aside[extra:]
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        self._maybe_compact_dense(group)
+        return np.asarray([entry[3] for entry in chosen], dtype=np.int32)
+
+    # -- lazy heaps --------------------------------------------------------------------------------
+    def _push_dense(self, pages: np.ndarray, groups: np.ndarray) -> None:
+        pool = self.pool
+        if not len(pages) or all(d is None for d in self.dense):
+            return
+        bounded = np.asarray([self.dense[g] is not None for g in groups.tolist()], dtype=bool)
+        if not bounded.any():
+            return
+        pages, groups = pages[bounded], groups[bounded]
+        cached = (pool.page_group[pages] >= 0).astype(np.int64).tolist()
+        held = pool.slab_held[pool.slab_of(pages, groups)].tolist()
+        stamps = pool.free_stamp[pages].tolist()
+        for page, group, is_cached, h, stamp in zip(pages.tolist(), groups.tolist(), cached, held, stamps):
+            with_slabs, without = self.dense[group]
+            heapq.heappush(with_slabs, (is_cached, -h, stamp, page))
+            heapq.heappush(without, (-h, is_cached, stamp, page))
+
+    def _dense_live(self, entry: tuple, group: int, mode: int) -> bool:
+        """Whether `entry` of `group`'s heap `mode` still describes its page (free, same key)."""
+        pool = self.pool
+        page = entry[3]
+        if pool.ref_counts[page] != 0:
+            return False
+        cached, held = (entry[0], -entry[1]) if mode == 0 else (entry[1], -entry[0])
+        slab = (page - int(pool.bases[group])) // int(pool.pages_per_slab[group])
+        return (cached == int(pool.page_group[page] >= 0) and held == int(pool.slab_held[slab])
+                and entry[2] == int(pool.free_stamp[page]))
+
+    def _maybe_compact_empty(self, group: int) -> None:
+        heap = self.empty_heap[group]
+        if len(heap) > 2 * int(self.pool.group_free[group]) + COMPACT_SLACK:
+            ref_counts, page_group = self.pool.ref_counts, self.pool.page_group
+            live = sorted({page for page in heap if ref_counts[page] == 0 and page_group[page] < 0})
+            self.empty_heap[group] = live  # a sorted list is a heap
+
+    def _maybe_compact_dense(self, group: int) -> None:
+        limit = 2 * int(self.pool.group_free[group]) + COMPACT_SLACK
+        for mode in (0, 1):
+            heap = self.dense[group][mode]
+            if len(heap) > limit:
+                live = {entry[3]: entry for entry in heap if self._dense_live(entry, group, mode)}
+                heap[:] = sorted(live.values())  # a sorted list is a heap
+
+
+def check_index(pool) -> None:
+    """Assert that `pool.index` agrees with a full recomputation from the pool's arrays (O(pool): tests)."""
+    index = pool.index
+    for group in range(len(pool.pages_per_slab)):
+        start, stop = pool.group_range(group)
+        ids = np.arange(start, stop, dtype=np.int64)
+        free = ids[pool.ref_counts[start:stop] == 0]
+        cached = free[pool.page_group[free] >= 0]
+        empty = free[pool.page_group[free] < 0]
+        assert index.cached_free[group] == set(cached.tolist()), f"group {group}: cached free pages"
+        live_empty = {p for p in index.empty_heap[group] if pool.ref_counts[p] == 0 and pool.page_group[p] < 0}
+        assert live_empty == set(empty.tolist()), f"group {group}: empty free pages"
+        mine = np.flatnonzero(pool.slab_owner == group)
+        assert index.owned[group] == len(mine), f"group {group}: owned slabs"
+        assert index.whole[group] == set(mine[pool.slab_held[mine] == 0].tolist()), f"group {group}: whole slabs"
+        if index.dense[group] is not None:
+            for mode in (0, 1):
+                listed = {entry[3] for entry in index.dense[group][mode] if index._dense_live(entry, group, mode)}
+                assert listed == set(free.tolist()), f"group {group}: window/state order {mode}"
+    unowned = np.flatnonzero(pool.slab_owner == FREE_SLAB)
+    assert set(unowned.tolist()) <= set(index.unowned_heap), "unowned slabs"

@@ -1,0 +1,195 @@
+"""Benchmark: the KV manager's host cost per request on the byte pool ("pool" layout) against the shared layout.
+
+Builds each preset's KV manager the way the engine does (`engine_kv_layout`, the engine's eviction
+order) for a `kv_cache_memory_gb`, keeps `--live` requests running, and times one request's life:
+allocate a `--prompt`-token prompt, cache it, `--appends` one-token appends (each cached), free. The
+pool's bookkeeping should not grow with the pool: the larger memories have the page counts of a
+full-size device. Also prints the page ids per group of the full-size presets' pools (abstract shapes).
+
+`--base-repo` runs the same measurements in another checkout first (a subprocess whose imports come
+from there) and writes both, "before" and "after", to the "## KV pool bookkeeping" section of
+BENCHMARKS.md:
+
+    python scripts/bench_kv_pool_bookkeeping.py --base-repo ../base
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SECTION = "## KV pool bookkeeping"
+PRESETS = ("tiny-dense", "tiny-kimi-k3")
+MEMORIES_GB = (1.0, 16.0)
+FULL_SIZE = ("minimax-m3", "kimi-k3", "deepseek-v4-pro")
+
+
+def build_manager(preset: str, memory_gb: float, layout_mode: str):
+    from agentjax.config import EngineConfig
+    from agentjax.engine_kv import engine_kv_layout
+    from agentjax.kv import KVCacheManager
+    from agentjax.kv.policy_order import engine_eviction_order
+    from agentjax.models import preset_config
+
+    engine_cfg = EngineConfig(kv_cache_memory_gb=memory_gb, kv_layout=layout_mode)
+    layout = engine_kv_layout(preset_config(preset), engine_cfg)
+    branch_states = engine_cfg.kv_policy != "lru" or engine_cfg.kv_offload_retention == "marconi"
+    manager = KVCacheManager.from_layout(layout, enable_caching=engine_cfg.enable_prefix_caching,
+                                         eviction_order=engine_eviction_order(engine_cfg.kv_policy),
+                                         branch_states=branch_states)
+    return manager, layout
+
+
+def time_requests(manager, requests: int, prompt: int, appends: int, live: int, seed: int = 0) -> list[float]:
+    """Seconds per request life (allocate, cache, appends, free) with `live` other requests running."""
+    import random
+
+    rng = random.Random(seed)
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(1, 30_000) for _ in range(count)]
+
+    running = []
+    for i in range(live):
+        assert manager.allocate(f"live{i}", tokens(prompt))
+        manager.cache_blocks(f"live{i}", prompt)
+        running.append(f"live{i}")
+    times = []
+    for i in range(requests):
+        prompt_tokens = tokens(prompt)
+        extra = tokens(appends)
+        start = time.perf_counter()
+        if not manager.allocate(f"r{i}", prompt_tokens):
+            raise RuntimeError(f"request {i} did not fit the pool")
+        manager.cache_blocks(f"r{i}", prompt)
+        for j in range(appends):
+            if not manager.append(f"r{i}", extra[j:j + 1]):
+                raise RuntimeError(f"request {i}'s append did not fit the pool")
+            manager.cache_blocks(f"r{i}", prompt + j + 1)
+        manager.take_pending_copies()
+        manager.free(f"r{i}")
+        times.append(time.perf_counter() - start)
+    for request in running:
+        manager.free(request)
+    return times
+
+
+def full_size_pools() -> list[dict]:
+    """Page ids per group of the full-size presets' pools at the engine's default memory per device."""
+    import dataclasses
+
+    from agentjax.config import EngineConfig
+    from agentjax.engine_kv import engine_kv_layout
+    from agentjax.models import preset_config
+
+    rows = []
+    for name in FULL_SIZE:
+        cfg = preset_config(name, abstract=True)
+        if cfg.compressed_attention is not None:  # the KV format the engine runs: the model's dtype
+            cfg = cfg.replace(compressed_attention=dataclasses.replace(cfg.compressed_attention,
+                                                                       kv_format="model_dtype"))
+        for memory_gb in (1.0, 40.0):
+            layout = engine_kv_layout(cfg, EngineConfig(kv_cache_memory_gb=memory_gb))
+            rows.append({"model": name, "memory_gb": memory_gb, "layout": layout.mode, "slabs": layout.num_slabs,
+                         "ids_per_group": [g.num_ids for g in layout.groups] if layout.mode == "pool"
+                         else [layout.num_slabs]})
+    return rows
+
+
+def measure(args) -> dict:
+    rows = []
+    for preset in PRESETS:
+        for memory_gb in args.memories:
+            for mode in ("shared", "pool"):
+                manager, layout = build_manager(preset, memory_gb, mode)
+                time_requests(manager, 3, args.prompt, args.appends, 0, seed=99)  # warm-up
+                times = time_requests(manager, args.requests, args.prompt, args.appends, args.live)
+                manager.check_invariants()
+                times.sort()
+                row = {"preset": preset, "memory_gb": memory_gb, "layout": layout.mode,
+                       "page_ids": int(manager.pool.num_pages),
+                       "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))]}
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    return {"rows": rows, "full_size": full_size_pools(), "load": os.getloadavg()[0]}
+
+
+def markdown(after: dict, before: dict | None, command: str, args) -> str:
+    lines = [SECTION, "",
+             f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+             f"{platform.python_version()}, run on {datetime.date.today().isoformat()} (1-minute load "
+             f"{after['load']:.2f}). Host only: the engine's KV manager (its layout from `kv_cache_memory_gb`, "
+             f"its eviction order), {args.live} requests running, then per request: allocate a {args.prompt}-token "
+             f"prompt, cache it, {args.appends} one-token appends (each cached), free; median and p90 over "
+             f"{args.requests} requests."
+             + (f" *before*: the code at {before['commit']} (`--base-repo`); *after*: this checkout." if before else ""),
+             "", "| preset | memory GB | layout | page ids | code | median ms / request | p90 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for index, row in enumerate(after["rows"]):
+        for code, results in (("before", before), ("after", after)):
+            if results is None:
+                continue
+            r = results["rows"][index]
+            lines.append(f"| {r['preset']} | {r['memory_gb']:g} | {r['layout']} | {r['page_ids']:,} | {code} | "
+                         f"**{r['median_ms']:.3f}** | {r['p90_ms']:.3f} |")
+    lines += ["", "Page ids per group of the full-size presets' pools (abstract shapes, the engine's default layout, "
+              "one device):", "", "| model | memory GB | layout | slabs | page ids per group |", "|---|---|---|---|---|"]
+    for r in after["full_size"]:
+        lines.append(f"| {r['model']} | {r['memory_gb']:g} | {r['layout']} | {r['slabs']:,} | "
+                     f"{', '.join(f'{n:,}' for n in r['ids_per_group'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-repo", type=Path, default=None,
+                        help="another checkout to measure first, with the same script (the 'before' rows)")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--appends", type=int, default=8)
+    parser.add_argument("--live", type=int, default=16)
+    parser.add_argument("--memories", type=float, nargs="+", default=list(MEMORIES_GB))
+    parser.add_argument("--json", type=Path, default=None, help="write the measurements as JSON here and stop")
+    parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
+    parser.add_argument("--no-write", action="store_true", help="print the section only")
+    args = parser.parse_args(argv)
+    if args.json is not None:
+        args.json.write_text(json.dumps(measure(args)))
+        return 0
+    passed = [f"--requests {args.requests}", f"--prompt {args.prompt}", f"--appends {args.appends}",
+              f"--live {args.live}", "--memories " + " ".join(f"{m:g}" for m in args.memories)]
+    before = None
+    if args.base_repo is not None:
+        out = REPO / ".bench_kv_pool_bookkeeping_before.json"
+        env = {**os.environ, "PYTHONPATH": str(args.base_repo.resolve())}
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json", str(out),
+                        *" ".join(passed).split()], cwd=args.base_repo, env=env, check=True)
+        before = json.loads(out.read_text())
+        out.unlink()
+        commit = subprocess.run(["git", "-C", str(args.base_repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        before["commit"] = commit or "unknown"
+    after = measure(args)
+    command = "python scripts/bench_kv_pool_bookkeeping.py " + " ".join(passed) + (
+        " --base-repo ../base" if before else "")
+    text = markdown(after, before, command, args)
+    print(text)
+    if not args.no_write:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from benchmarks_md import write_section
+
+        write_section(text, args.benchmarks_md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] or str(REPO))
+    raise SystemExit(main())
