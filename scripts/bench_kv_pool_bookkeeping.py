@@ -115,7 +115,7 @@ def measure(args) -> dict:
                 manager.check_invariants()
                 times.sort()
                 row = {"preset": preset, "memory_gb": memory_gb, "layout": layout.mode,
-                       "page_ids": int(manager.pool.num_pages),
+                       "page_ids": int(manager.num_pages),
                        "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))]}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
