@@ -30,17 +30,32 @@ SECTION = "## KV pool bookkeeping"
 PRESETS = ("tiny-dense", "tiny-kimi-k3")
 MEMORIES_GB = (1.0, 16.0)
 FULL_SIZE = ("minimax-m3", "kimi-k3", "deepseek-v4-pro")
+FULL_SIZE_MEMORY_GB = 40.0  # an H100's KV share per device; timed too, on one device's layout
 
 
-def build_manager(preset: str, memory_gb: float, layout_mode: str):
+def model_config(preset: str):
+    """A preset's config; the full-size ones with abstract shapes and KV in the model's dtype (the format
+    the engine runs)."""
+    import dataclasses
+
+    from agentjax.models import preset_config
+
+    if preset not in FULL_SIZE:
+        return preset_config(preset)
+    cfg = preset_config(preset, abstract=True)
+    if cfg.compressed_attention is not None:
+        cfg = cfg.replace(compressed_attention=dataclasses.replace(cfg.compressed_attention, kv_format="model_dtype"))
+    return cfg
+
+
+def build_manager(preset: str, memory_gb: float, layout_mode: str, parallel: dict | None = None):
     from agentjax.config import EngineConfig
     from agentjax.engine_kv import engine_kv_layout
     from agentjax.kv import KVCacheManager
     from agentjax.kv.policy_order import engine_eviction_order
-    from agentjax.models import preset_config
 
-    engine_cfg = EngineConfig(kv_cache_memory_gb=memory_gb, kv_layout=layout_mode)
-    layout = engine_kv_layout(preset_config(preset), engine_cfg)
+    engine_cfg = EngineConfig(kv_cache_memory_gb=memory_gb, kv_layout=layout_mode, **(parallel or {}))
+    layout = engine_kv_layout(model_config(preset), engine_cfg)
     branch_states = engine_cfg.kv_policy != "lru" or engine_cfg.kv_offload_retention == "marconi"
     manager = KVCacheManager.from_layout(layout, enable_caching=engine_cfg.enable_prefix_caching,
                                          eviction_order=engine_eviction_order(engine_cfg.kv_policy),
@@ -84,41 +99,36 @@ def time_requests(manager, requests: int, prompt: int, appends: int, live: int, 
 
 def full_size_pools() -> list[dict]:
     """Page ids per group of the full-size presets' pools at the engine's default memory per device."""
-    import dataclasses
-
     from agentjax.config import EngineConfig
     from agentjax.engine_kv import engine_kv_layout
-    from agentjax.models import preset_config
 
     rows = []
     for name in FULL_SIZE:
-        cfg = preset_config(name, abstract=True)
-        if cfg.compressed_attention is not None:  # the KV format the engine runs: the model's dtype
-            cfg = cfg.replace(compressed_attention=dataclasses.replace(cfg.compressed_attention,
-                                                                       kv_format="model_dtype"))
-        for memory_gb in (1.0, 40.0):
-            layout = engine_kv_layout(cfg, EngineConfig(kv_cache_memory_gb=memory_gb))
-            rows.append({"model": name, "memory_gb": memory_gb, "layout": layout.mode, "slabs": layout.num_slabs,
-                         "ids_per_group": [g.num_ids for g in layout.groups] if layout.mode == "pool"
-                         else [layout.num_slabs]})
+        for parallel in ("tp1", "tp8"):
+            for memory_gb in (1.0, FULL_SIZE_MEMORY_GB):
+                engine_cfg = EngineConfig(kv_cache_memory_gb=memory_gb, tensor_parallel_size=int(parallel[2:]))
+                layout = engine_kv_layout(model_config(name), engine_cfg)
+                rows.append({"model": name, "parallel": parallel, "memory_gb": memory_gb, "layout": layout.mode,
+                             "slabs": layout.num_slabs, "ids_per_group": [g.num_ids for g in layout.groups]
+                             if layout.mode == "pool" else [layout.num_slabs]})
     return rows
 
 
 def measure(args) -> dict:
     rows = []
-    for preset in PRESETS:
-        for memory_gb in args.memories:
-            for mode in ("shared", "pool"):
-                manager, layout = build_manager(preset, memory_gb, mode)
-                time_requests(manager, 3, args.prompt, args.appends, 0, seed=99)  # warm-up
-                times = time_requests(manager, args.requests, args.prompt, args.appends, args.live)
-                manager.check_invariants()
-                times.sort()
-                row = {"preset": preset, "memory_gb": memory_gb, "layout": layout.mode,
-                       "page_ids": int(manager.num_pages),
-                       "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))]}
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
+    cases = [(preset, memory_gb, mode) for preset in PRESETS for memory_gb in args.memories
+             for mode in ("shared", "pool")]
+    cases += [(preset, FULL_SIZE_MEMORY_GB, "pool") for preset in ("kimi-k3", "deepseek-v4-pro")]
+    for preset, memory_gb, mode in cases:
+        manager, layout = build_manager(preset, memory_gb, mode)
+        time_requests(manager, 3, args.prompt, args.appends, 0, seed=99)  # warm-up
+        times = time_requests(manager, args.requests, args.prompt, args.appends, args.live)
+        manager.check_invariants()
+        times.sort()
+        row = {"preset": preset, "memory_gb": memory_gb, "layout": layout.mode, "page_ids": int(manager.num_pages),
+               "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))]}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
     return {"rows": rows, "full_size": full_size_pools(), "load": os.getloadavg()[0]}
 
 
@@ -140,10 +150,12 @@ def markdown(after: dict, before: dict | None, command: str, args) -> str:
             r = results["rows"][index]
             lines.append(f"| {r['preset']} | {r['memory_gb']:g} | {r['layout']} | {r['page_ids']:,} | {code} | "
                          f"**{r['median_ms']:.3f}** | {r['p90_ms']:.3f} |")
-    lines += ["", "Page ids per group of the full-size presets' pools (abstract shapes, the engine's default layout, "
-              "one device):", "", "| model | memory GB | layout | slabs | page ids per group |", "|---|---|---|---|---|"]
+    lines += ["", "Page ids per group of the full-size presets' pools (abstract shapes, KV in the model's dtype, the "
+              "engine's default layout; one device's part under tp8):", "",
+              "| model | parallel | memory GB per device | layout | slabs | page ids per group |",
+              "|---|---|---|---|---|---|"]
     for r in after["full_size"]:
-        lines.append(f"| {r['model']} | {r['memory_gb']:g} | {r['layout']} | {r['slabs']:,} | "
+        lines.append(f"| {r['model']} | {r['parallel']} | {r['memory_gb']:g} | {r['layout']} | {r['slabs']:,} | "
                      f"{', '.join(f'{n:,}' for n in r['ids_per_group'])} |")
     return "\n".join(lines) + "\n"
 

@@ -12,6 +12,8 @@ import heapq
 
 import numpy as np
 
+from agentjax.kv.slab_dense import DenseOrder
+
 FREE_SLAB = -1
 # A lazy heap is compacted once it holds this many entries more than twice its live ones.
 COMPACT_SLACK = 1024
@@ -28,13 +30,12 @@ class SlabIndex:
         self.owned = np.zeros(groups, dtype=np.int64)
         self.empty_heap: list[list[int]] = [[] for _ in range(groups)]  # free pages holding nothing
         self.unowned_heap = list(range(1, pool.num_slabs))
-        # window and state groups: (cached, -held, stamp, page) while free slabs remain, else (-held, cached, stamp, page)
-        self.dense: list[tuple[list, list] | None] = [([], []) if b else None for b in pool.bounded]
+        self.dense = [DenseOrder(pool, g) if b else None for g, b in enumerate(pool.bounded)]  # window, state
 
     # -- what the pool reports -------------------------------------------------------------------
-    def freed(self, pages: np.ndarray, dense: bool = True) -> None:
-        """`pages` (one group's or several) just became free: reference count 0, stamp set (`dense`:
-        list them for the window and state groups' order; False where `held_changed` did)."""
+    def freed(self, pages: np.ndarray, relist: bool = True) -> None:
+        """`pages` (one group's or several) just became free: reference count 0, stamp set (`relist`:
+        False where `held_changed` follows for their slabs)."""
         if not len(pages):
             return
         pool = self.pool
@@ -45,8 +46,7 @@ class SlabIndex:
                 self.cached_free[group].add(page)
             else:
                 heapq.heappush(self.empty_heap[group], page)
-        if dense:
-            self._push_dense(pages, groups)
+        self._list_dense(pages, groups, relist)
 
     def taken(self, pages: np.ndarray) -> None:
         """`pages` (all free now) are about to be held or to leave their group."""
@@ -65,7 +65,8 @@ class SlabIndex:
         else:
             self.cached_free[group].discard(page)
             heapq.heappush(self.empty_heap[group], page)
-        self._push_dense(np.asarray([page], dtype=np.int64), np.asarray([group]))
+        if self.dense[group] is not None:
+            self.dense[group].pages_listed([page])
 
     def held_changed(self, slabs: np.ndarray, before: np.ndarray) -> None:
         """The held counts of the distinct owned `slabs` changed from `before`."""
@@ -78,15 +79,15 @@ class SlabIndex:
             elif now == 0 and was:
                 self.whole[owner].add(slab)
             if self.dense[owner] is not None:
-                pages = pool.slab_pages(slab, owner)
-                free = pages[pool.ref_counts[pages] == 0]
-                self._push_dense(free, np.full(len(free), owner))
+                self.dense[owner].relist(slab)
 
     def owner_changed(self, slab: int, old: int, new: int) -> None:
         """`slab` went from `old` to `new` (either may be FREE_SLAB); none of its pages is held."""
         if old >= 0:
             self.whole[old].discard(slab)
             self.owned[old] -= 1
+            if self.dense[old] is not None:
+                self.dense[old].slab_left(slab)
         if new >= 0:
             self.whole[new].add(slab)
             self.owned[new] += 1
@@ -126,66 +127,13 @@ class SlabIndex:
         return np.fromiter(sorted(self.cached_free[group]), dtype=np.int64, count=len(self.cached_free[group]))
 
     def pop_dense(self, group: int, count: int, pinned) -> np.ndarray:
-        """`densest_free`'s choice: `count` free pages of window or state `group` in its order,
-        unpinned first (pinned ones met on the way are set aside and go back)."""
-        pool = self.pool
-        mode = 0 if pool.num_unowned else 1
-        heap = self.dense[group][mode]
-        chosen: list[tuple] = []
-        aside: list[tuple] = []
-        seen: set[int] = set()
-        while len(chosen) < count and heap:
-            batch = []
-            while heap and len(batch) < count - len(chosen):
-                entry = heapq.heappop(heap)
-                page = entry[3]
-                if page not in seen and self._dense_live(entry, group, mode):
-                    seen.add(page)
-                    batch.append(entry)
-            if not batch:
-                break
-            if pinned is not None:
-                marks = pinned(np.asarray([entry[3] for entry in batch], dtype=np.int64)).tolist()
-                chosen += [entry for entry, mark in zip(batch, marks) if not mark]
-                aside += [entry for entry, mark in zip(batch, marks) if mark]
-            else:
-                chosen += batch
-        if len(chosen) < count:  # every unpinned free page is chosen: pinned ones, in the same order
-            extra = count - len(chosen)
-            chosen += aside[:extra]
-            aside = aside[extra:]
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        self._maybe_compact_dense(group)
-        return np.asarray([entry[3] for entry in chosen], dtype=np.int32)
+        """`densest_free`'s choice for window or state `group` (agentjax/kv/slab_dense.py)."""
+        return self.dense[group].pop(count, pinned, bool(self.pool.num_unowned))
 
-    # -- lazy heaps --------------------------------------------------------------------------------
-    def _push_dense(self, pages: np.ndarray, groups: np.ndarray) -> None:
-        pool = self.pool
-        if not len(pages) or all(d is None for d in self.dense):
-            return
-        bounded = np.asarray([self.dense[g] is not None for g in groups.tolist()], dtype=bool)
-        if not bounded.any():
-            return
-        pages, groups = pages[bounded], groups[bounded]
-        cached = (pool.page_group[pages] >= 0).astype(np.int64).tolist()
-        held = pool.slab_held[pool.slab_of(pages, groups)].tolist()
-        stamps = pool.free_stamp[pages].tolist()
-        for page, group, is_cached, h, stamp in zip(pages.tolist(), groups.tolist(), cached, held, stamps):
-            with_slabs, without = self.dense[group]
-            heapq.heappush(with_slabs, (is_cached, -h, stamp, page))
-            heapq.heappush(without, (-h, is_cached, stamp, page))
-
-    def _dense_live(self, entry: tuple, group: int, mode: int) -> bool:
-        """Whether `entry` of `group`'s heap `mode` still describes its page (free, same key)."""
-        pool = self.pool
-        page = entry[3]
-        if pool.ref_counts[page] != 0:
-            return False
-        cached, held = (entry[0], -entry[1]) if mode == 0 else (entry[1], -entry[0])
-        slab = (page - int(pool.bases[group])) // int(pool.pages_per_slab[group])
-        return (cached == int(pool.page_group[page] >= 0) and held == int(pool.slab_held[slab])
-                and entry[2] == int(pool.free_stamp[page]))
+    def _list_dense(self, pages: np.ndarray, groups: np.ndarray, relist: bool) -> None:
+        for group in np.unique(groups).tolist():
+            if self.dense[group] is not None:
+                self.dense[group].pages_listed(pages[groups == group].tolist(), relist)
 
     def _maybe_compact_empty(self, group: int) -> None:
         heap = self.empty_heap[group]
@@ -193,14 +141,6 @@ class SlabIndex:
             ref_counts, page_group = self.pool.ref_counts, self.pool.page_group
             live = sorted({page for page in heap if ref_counts[page] == 0 and page_group[page] < 0})
             self.empty_heap[group] = live  # a sorted list is a heap
-
-    def _maybe_compact_dense(self, group: int) -> None:
-        limit = 2 * int(self.pool.group_free[group]) + COMPACT_SLACK
-        for mode in (0, 1):
-            heap = self.dense[group][mode]
-            if len(heap) > limit:
-                live = {entry[3]: entry for entry in heap if self._dense_live(entry, group, mode)}
-                heap[:] = sorted(live.values())  # a sorted list is a heap
 
 
 def check_index(pool) -> None:
@@ -219,8 +159,6 @@ def check_index(pool) -> None:
         assert index.owned[group] == len(mine), f"group {group}: owned slabs"
         assert index.whole[group] == set(mine[pool.slab_held[mine] == 0].tolist()), f"group {group}: whole slabs"
         if index.dense[group] is not None:
-            for mode in (0, 1):
-                listed = {entry[3] for entry in index.dense[group][mode] if index._dense_live(entry, group, mode)}
-                assert listed == set(free.tolist()), f"group {group}: window/state order {mode}"
+            index.dense[group].check(free)
     unowned = np.flatnonzero(pool.slab_owner == FREE_SLAB)
     assert set(unowned.tolist()) <= set(index.unowned_heap), "unowned slabs"

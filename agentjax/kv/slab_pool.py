@@ -132,7 +132,9 @@ class SlabPool(BlockPool):
             pages = np.asarray(pages, dtype=np.int64)
             leaving = pages[self.ref_counts[pages] == 0]
             self.index.taken(leaving)
-            self._held_changed(leaving, +1)
+            super().touch(pages)
+            self._held_changed(leaving, +1)  # after: the index reads which pages are free
+            return
         super().touch(pages)
 
     def release(self, pages: np.ndarray) -> None:
@@ -144,8 +146,8 @@ class SlabPool(BlockPool):
             freed = pages[before == 1]
             self.free_stamp[freed] = np.arange(self._stamp, self._stamp + len(freed))
             self._stamp += len(freed)
-            self._held_changed(freed, -1)
-            self.index.freed(freed, dense=False)  # `_held_changed` listed them for the window and state groups
+            self.index.freed(freed, relist=False)
+            self._held_changed(freed, -1)  # relists their slabs
 
     def _held_changed(self, pages: np.ndarray, sign: int) -> None:
         """`pages` went from free to held (+1) or back (-1)."""
