@@ -63,6 +63,24 @@ def build_manager(preset: str, memory_gb: float, layout_mode: str, parallel: dic
     return manager, layout
 
 
+def fill(manager, prompt: int = 8192, limit: int = 5000) -> int:
+    """Sessions of `prompt` random tokens, cached and freed, until the pool evicts (its memory is full of
+    cached pages: the steady state of a long-running server); returns how many it took."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    for i in range(limit):
+        tokens = rng.integers(1, 30_000, size=prompt).tolist()
+        if not manager.allocate(f"fill{i}", tokens):
+            return i
+        manager.cache_blocks(f"fill{i}", prompt)
+        manager.take_pending_copies()
+        manager.free(f"fill{i}")
+        if manager.stats()["evictions"]:
+            return i + 1
+    raise RuntimeError(f"{limit} sessions of {prompt} tokens did not fill the pool")
+
+
 def time_requests(manager, requests: int, prompt: int, appends: int, live: int, seed: int = 0) -> list[float]:
     """Seconds per request life (allocate, cache, appends, free) with `live` other requests running."""
     import random
@@ -116,16 +134,21 @@ def full_size_pools() -> list[dict]:
 
 def measure(args) -> dict:
     rows = []
-    cases = [(preset, memory_gb, mode) for preset in PRESETS for memory_gb in args.memories
+    cases = [(preset, memory_gb, mode, False) for preset in PRESETS for memory_gb in args.memories
              for mode in ("shared", "pool")]
-    cases += [(preset, FULL_SIZE_MEMORY_GB, "pool") for preset in ("kimi-k3", "deepseek-v4-pro")]
-    for preset, memory_gb, mode in cases:
+    cases += [(preset, FULL_SIZE_MEMORY_GB, "pool", False) for preset in ("kimi-k3", "deepseek-v4-pro")]
+    # the pool full of cached pages: every allocation evicts (the policy scores the cached free pages)
+    cases += [(preset, min(args.memories), mode, True) for preset in PRESETS for mode in ("shared", "pool")]
+    cases += [(preset, FULL_SIZE_MEMORY_GB, "pool", True) for preset in ("kimi-k3", "deepseek-v4-pro")]
+    for preset, memory_gb, mode, full in cases:
         manager, layout = build_manager(preset, memory_gb, mode)
+        sessions = fill(manager) if full else 0
         time_requests(manager, 3, args.prompt, args.appends, 0, seed=99)  # warm-up
         times = time_requests(manager, args.requests, args.prompt, args.appends, args.live)
         manager.check_invariants()
         times.sort()
         row = {"preset": preset, "memory_gb": memory_gb, "layout": layout.mode, "page_ids": int(manager.num_pages),
+               "pool_state": f"full of cache ({sessions} sessions of 8,192 tokens)" if full else "mostly empty",
                "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))]}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -141,14 +164,15 @@ def markdown(after: dict, before: dict | None, command: str, args) -> str:
              f"prompt, cache it, {args.appends} one-token appends (each cached), free; median and p90 over "
              f"{args.requests} requests."
              + (f" *before*: the code at {before['commit']} (`--base-repo`); *after*: this checkout." if before else ""),
-             "", "| preset | memory GB | layout | page ids | code | median ms / request | p90 ms |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| preset | memory GB | layout | page ids | pool | code | median ms / request | p90 ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for index, row in enumerate(after["rows"]):
         for code, results in (("before", before), ("after", after)):
             if results is None:
                 continue
             r = results["rows"][index]
-            lines.append(f"| {r['preset']} | {r['memory_gb']:g} | {r['layout']} | {r['page_ids']:,} | {code} | "
+            lines.append(f"| {r['preset']} | {r['memory_gb']:g} | {r['layout']} | {r['page_ids']:,} | "
+                         f"{r['pool_state']} | {code} | "
                          f"**{r['median_ms']:.3f}** | {r['p90_ms']:.3f} |")
     lines += ["", "Page ids per group of the full-size presets' pools (abstract shapes, KV in the model's dtype, the "
               "engine's default layout; one device's part under tp8):", "",

@@ -95,8 +95,8 @@ class PolicyEvictionOrder:
 
     def _pop_indexed(self, index, count: int, allowed: tuple[int, int]) -> np.ndarray:
         """`pop_victims` over the group whose ids are `allowed`: its empty free pages lowest id first,
-        then its cached free pages in the policy's order (O(count), or O(cached free pages) once no
-        empty one is left)."""
+        then its cached free pages in the policy's order (O(count); once no empty page is left, the
+        policy scores every cached free page of the group, as it does on one page-id space)."""
         group = int(self._pool.group_of(np.asarray([allowed[0]], dtype=np.int64))[0])
         free = int(self._pool.group_free[group])
         if free < count:

@@ -51,12 +51,12 @@ def take_older_slabs(pool, group: int, count: int, evicted: list | None, moves: 
                      spare: list[int], counts: list[int]) -> None:
     """Under pressure: while a whole free slab of another group was freed before the oldest cached
     free page of `group` and `group`'s empty pages do not cover `count`, take that slab instead
-    (at most `spare[0]` slabs). Reads `group`'s cached free pages (the pool's `SlabIndex`), not its range."""
+    (at most `spare[0]` slabs). Reads `group`'s oldest cached free page from the pool's `SlabIndex`."""
     cached = pool.index.cached_free[group]
     empty = int(pool.group_free[group]) - len(cached)
     if empty >= count or not cached:
         return
-    oldest_own = int(pool.free_stamp[np.fromiter(cached, dtype=np.int64, count=len(cached))].min())
+    oldest_own = pool.index.oldest_cached_stamp(group)
     while empty < count and spare[0] > 0:
         whole = pool.whole_free_slabs()
         if whole.sum() - whole[group] == 0:

@@ -17,6 +17,8 @@ from agentjax.kv.slab_dense import DenseOrder
 FREE_SLAB = -1
 # A lazy heap is compacted once it holds this many entries more than twice its live ones.
 COMPACT_SLACK = 1024
+# Listing a set of page ids in Python costs about as much as this many page ids of a vectorised scan.
+SCAN_RATIO = 32
 
 
 class SlabIndex:
@@ -29,6 +31,7 @@ class SlabIndex:
         self.whole: list[set[int]] = [set() for _ in range(groups)]  # owned slabs none of whose pages is held
         self.owned = np.zeros(groups, dtype=np.int64)
         self.empty_heap: list[list[int]] = [[] for _ in range(groups)]  # free pages holding nothing
+        self.cached_heap: list[list[tuple[int, int]]] = [[] for _ in range(groups)]  # (freed stamp, page)
         self.unowned_heap = list(range(1, pool.num_slabs))
         self.dense = [DenseOrder(pool, g) if b else None for g, b in enumerate(pool.bounded)]  # window, state
 
@@ -41,11 +44,15 @@ class SlabIndex:
         pool = self.pool
         groups = pool.group_of(pages)
         cached = pool.page_group[pages] >= 0
-        for page, group, is_cached in zip(pages.tolist(), groups.tolist(), cached.tolist()):
+        stamps = pool.free_stamp[pages].tolist()
+        for page, group, is_cached, stamp in zip(pages.tolist(), groups.tolist(), cached.tolist(), stamps):
             if is_cached:
                 self.cached_free[group].add(page)
+                heapq.heappush(self.cached_heap[group], (stamp, page))
             else:
                 heapq.heappush(self.empty_heap[group], page)
+        for group in set(groups[cached].tolist()):
+            self._maybe_compact_cached(group)
         self._list_dense(pages, groups, relist)
 
     def taken(self, pages: np.ndarray) -> None:
@@ -62,6 +69,8 @@ class SlabIndex:
         """Free `page` of `group` now holds a block (`cached`) or no longer does."""
         if cached:
             self.cached_free[group].add(page)
+            heapq.heappush(self.cached_heap[group], (int(self.pool.free_stamp[page]), page))
+            self._maybe_compact_cached(group)
         else:
             self.cached_free[group].discard(page)
             heapq.heappush(self.empty_heap[group], page)
@@ -123,8 +132,26 @@ class SlabIndex:
         self._maybe_compact_empty(group)
         return out
 
+    def oldest_cached_stamp(self, group: int) -> int | None:
+        """The freed stamp of `group`'s cached free page freed longest ago (None: it has none)."""
+        heap, pool = self.cached_heap[group], self.pool
+        while heap:
+            stamp, page = heap[0]
+            if pool.ref_counts[page] == 0 and pool.page_group[page] >= 0 and pool.free_stamp[page] == stamp:
+                return stamp
+            heapq.heappop(heap)
+        return None
+
     def cached_free_sorted(self, group: int) -> np.ndarray:
-        return np.fromiter(sorted(self.cached_free[group]), dtype=np.int64, count=len(self.cached_free[group]))
+        """`group`'s cached free pages, lowest id first: from the set while it is small against the
+        group's range, else by one vectorised pass over the range (fewer steps than a Python sort)."""
+        cached = self.cached_free[group]
+        start, stop = self.pool.group_range(group)
+        if len(cached) * SCAN_RATIO < stop - start:
+            return np.fromiter(sorted(cached), dtype=np.int64, count=len(cached))
+        pool = self.pool
+        free = start + np.flatnonzero(pool.ref_counts[start:stop] == 0)
+        return free[pool.page_group[free] >= 0].astype(np.int64)
 
     def pop_dense(self, group: int, count: int, pinned) -> np.ndarray:
         """`densest_free`'s choice for window or state `group` (agentjax/kv/slab_dense.py)."""
@@ -134,6 +161,12 @@ class SlabIndex:
         for group in np.unique(groups).tolist():
             if self.dense[group] is not None:
                 self.dense[group].pages_listed(pages[groups == group].tolist(), relist)
+
+    def _maybe_compact_cached(self, group: int) -> None:
+        heap, pool = self.cached_heap[group], self.pool
+        if len(heap) > 2 * len(self.cached_free[group]) + COMPACT_SLACK:
+            heap[:] = sorted({(stamp, page) for stamp, page in heap if pool.ref_counts[page] == 0
+                              and pool.page_group[page] >= 0 and pool.free_stamp[page] == stamp})
 
     def _maybe_compact_empty(self, group: int) -> None:
         heap = self.empty_heap[group]
@@ -153,6 +186,8 @@ def check_index(pool) -> None:
         cached = free[pool.page_group[free] >= 0]
         empty = free[pool.page_group[free] < 0]
         assert index.cached_free[group] == set(cached.tolist()), f"group {group}: cached free pages"
+        oldest = int(pool.free_stamp[cached].min()) if len(cached) else None
+        assert index.oldest_cached_stamp(group) == oldest, f"group {group}: oldest cached free page"
         live_empty = {p for p in index.empty_heap[group] if pool.ref_counts[p] == 0 and pool.page_group[p] < 0}
         assert live_empty == set(empty.tolist()), f"group {group}: empty free pages"
         mine = np.flatnonzero(pool.slab_owner == group)
