@@ -32,7 +32,9 @@ class SlabIndex:
         self.owned = np.zeros(groups, dtype=np.int64)
         self.empty_heap: list[list[int]] = [[] for _ in range(groups)]  # free pages holding nothing
         self.cached_heap: list[list[tuple[int, int]]] = [[] for _ in range(groups)]  # (freed stamp, page)
-        self.unowned_heap = list(range(1, pool.num_slabs))
+        # unowned slabs: every slab from `unowned_from` on that is still unowned, and those given back below it
+        self.unowned_from = 1
+        self.unowned_heap: list[int] = []
         self.dense = [DenseOrder(pool, g) if b else None for g, b in enumerate(pool.bounded)]  # window, state
 
     # -- what the pool reports -------------------------------------------------------------------
@@ -111,12 +113,16 @@ class SlabIndex:
         return np.asarray([len(slabs) for slabs in self.whole], dtype=np.int64)
 
     def first_unowned(self) -> int:
+        """The lowest slab no group owns."""
         heap, owner = self.unowned_heap, self.pool.slab_owner
         while heap and owner[heap[0]] != FREE_SLAB:
             heapq.heappop(heap)
-        if not heap:
+        while self.unowned_from < len(owner) and owner[self.unowned_from] != FREE_SLAB:
+            self.unowned_from += 1
+        first = min(heap[0] if heap else len(owner), self.unowned_from)
+        if first == len(owner):
             raise LookupError("no unowned slab")
-        return heap[0]
+        return first
 
     def pop_empty(self, group: int, count: int) -> list[int]:
         """Up to `count` free pages of `group` holding nothing, lowest id first; the caller takes them."""
@@ -196,4 +202,7 @@ def check_index(pool) -> None:
         if index.dense[group] is not None:
             index.dense[group].check(free)
     unowned = np.flatnonzero(pool.slab_owner == FREE_SLAB)
-    assert set(unowned.tolist()) <= set(index.unowned_heap), "unowned slabs"
+    below = unowned[unowned < index.unowned_from]
+    assert set(below.tolist()) <= set(index.unowned_heap), "unowned slabs given back"
+    if len(unowned):
+        assert index.first_unowned() == int(unowned[0]), "the lowest unowned slab"
