@@ -201,6 +201,10 @@ def check_index(pool) -> None:
         assert index.whole[group] == set(mine[pool.slab_held[mine] == 0].tolist()), f"group {group}: whole slabs"
         if index.dense[group] is not None:
             index.dense[group].check(free)
+        owned, held, cached_free = pool.group_usage()
+        mine_ids = np.repeat(pool.slab_owner == group, int(pool.pages_per_slab[group]))
+        assert (owned[group], held[group], cached_free[group]) == (
+            len(mine), int(np.count_nonzero(mine_ids & (pool.ref_counts[start:stop] > 0))), len(cached)), group
     unowned = np.flatnonzero(pool.slab_owner == FREE_SLAB)
     below = unowned[unowned < index.unowned_from]
     assert set(below.tolist()) <= set(index.unowned_heap), "unowned slabs given back"
