@@ -2,9 +2,10 @@
 
 Builds each preset's KV manager the way the engine does (`engine_kv_layout`, the engine's eviction
 order) for a `kv_cache_memory_gb`, keeps `--live` requests running, and times one request's life:
-allocate a `--prompt`-token prompt, cache it, `--appends` one-token appends (each cached), free. The
-pool's bookkeeping should not grow with the pool: the larger memories have the page counts of a
-full-size device. Also prints the page ids per group of the full-size presets' pools (abstract shapes).
+allocate a `--prompt`-token prompt, cache it, `--appends` one-token appends (each cached), free; on
+the pool as built and on the pool full of cached pages. The pool's bookkeeping should not grow with
+the pool: the larger memories have more page ids than a full-size device's pool. Also lists the page
+ids per group of the full-size presets' pools (abstract shapes).
 
 `--base-repo` runs the same measurements in another checkout first (a subprocess whose imports come
 from there) and writes both, "before" and "after", to the "## KV pool bookkeeping" section of
@@ -162,8 +163,11 @@ def markdown(after: dict, before: dict | None, command: str, args) -> str:
              f"{after['load']:.2f}). Host only: the engine's KV manager (its layout from `kv_cache_memory_gb`, "
              f"its eviction order), {args.live} requests running, then per request: allocate a {args.prompt}-token "
              f"prompt, cache it, {args.appends} one-token appends (each cached), free; median and p90 over "
-             f"{args.requests} requests."
-             + (f" *before*: the code at {before['commit']} (`--base-repo`); *after*: this checkout." if before else ""),
+             f"{args.requests} requests. *Mostly empty*: the pool as built; *full of cache*: 8,192-token sessions "
+             "cached and freed until the pool evicts, so every allocation evicts a cached page (the engine's "
+             "default `hints` policy then scores every cached free page of the group)."
+             + (f" *before*: the code at {before['commit']} (`--base-repo`); *after*: this checkout."
+                if before else ""),
              "", "| preset | memory GB | layout | page ids | pool | code | median ms / request | p90 ms |",
              "|---|---|---|---|---|---|---|---|"]
     for index, row in enumerate(after["rows"]):
