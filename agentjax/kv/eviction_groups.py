@@ -17,7 +17,7 @@ from agentjax.errors import OutOfPagesError
 def pop_in_range(order, count: int, lo: int, hi: int, page_group: np.ndarray | None = None) -> np.ndarray:
     """`LRUEvictionOrder.pop_victims` (or `PinnedEvictionOrder`'s) restricted to pages in `[lo, hi)`;
     with `page_group` (the pool's: -1 where a page holds no block), to pages that hold nothing. Pinned
-    free pages met on the way move to the pinned tier whatever their group."""
+    free pages met on the way move to the pinned tier whatever their group; pinned pages are taken last."""
     table = getattr(order, "pins", None)
     if table is not None:
         order._last_from_tier = None
@@ -48,14 +48,14 @@ def pop_in_range(order, count: int, lo: int, hi: int, page_group: np.ndarray | N
         position += cut
     order._head = keep_from if keep_from is not None else position
     from_tier: list[int] = []
-    if need > 0 and pins and page_group is None:
+    if need > 0 and pins:  # pinned pages last (with `page_group`: empty ones, which a pin keeps nothing in)
         aside = []
         while need > 0 and order._tier:
             entry = heapq.heappop(order._tier)
             _, stamp, page, sequence = entry
             if not order._tier_entry_live(stamp, page, sequence):
                 continue
-            if lo <= page < hi:
+            if lo <= page < hi and (page_group is None or page_group[page] < 0):
                 order._in_tier[page] = False
                 from_tier.append(page)
                 need -= 1

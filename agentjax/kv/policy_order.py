@@ -70,7 +70,11 @@ class PolicyEvictionOrder:
 
     def pop_victims(self, count: int, allowed: tuple[int, int] | None = None,
                     page_group: np.ndarray | None = None) -> np.ndarray:
-        """`page_group` is accepted for the protocol: empty pages are taken first anyway."""
+        """`page_group` is accepted for the protocol: empty pages are taken first anyway. On a pool
+        that indexes one group's free pages (a `SlabPool`'s `index`), they are read from there."""
+        index = getattr(self._pool, "index", None)
+        if allowed is not None and index is not None:
+            return self._pop_indexed(index, count, allowed)
         if allowed is None:
             free = np.flatnonzero(self._ref_counts == 0)
         else:  # one page group's ids (a "pool" KV layout, agentjax/kv/slab_pool.py)
@@ -84,6 +88,23 @@ class PolicyEvictionOrder:
             victims = free[empty][:count]
             if len(victims) < count:
                 victims = np.concatenate([victims, self.policy.evict_order(free[~empty], count - len(victims))])
+        victims = victims.astype(np.int32)
+        self._last_state = self.policy.page_state(victims)
+        self.policy.on_evict(victims)
+        return victims
+
+    def _pop_indexed(self, index, count: int, allowed: tuple[int, int]) -> np.ndarray:
+        """`pop_victims` over the group whose ids are `allowed`: its empty free pages lowest id first,
+        then its cached free pages in the policy's order (O(count); once no empty page is left, the
+        policy scores every cached free page of the group, as it does on one page-id space)."""
+        group = int(self._pool.group_of(np.asarray([allowed[0]], dtype=np.int64))[0])
+        free = int(self._pool.group_free[group])
+        if free < count:
+            raise OutOfPagesError(f"eviction order holds {free} free pages, {count} requested")
+        victims = np.asarray(index.pop_empty(group, count), dtype=np.int64)
+        if len(victims) < count:
+            cached = index.cached_free_sorted(group)
+            victims = np.concatenate([victims, self.policy.evict_order(cached, count - len(victims))])
         victims = victims.astype(np.int32)
         self._last_state = self.policy.page_state(victims)
         self.policy.on_evict(victims)

@@ -10,25 +10,17 @@ from agentjax.errors import OutOfPagesError
 
 
 def densest_free(pool, group: int, count: int) -> np.ndarray:
-    """`count` free pages of a bounded group: unpinned first; while free slabs remain, empty before
-    cached; then in the slabs with the most held pages (so the others drain whole and can change
-    hands), then freed longest ago."""
-    start, stop = pool.group_range(group)
-    k = int(pool.pages_per_slab[group])
-    ids = np.arange(start, stop, dtype=np.int64)
-    slabs = (ids - start) // k
-    free = ids[(pool.ref_counts[start:stop] == 0) & (pool.slab_owner[slabs] == group)]
-    pinned = getattr(pool.eviction_order, "pinned_mask", None)
-    cached, density = pool.page_group[free] >= 0, -pool.slab_held[(free - start) // k]
-    keys = (pool.free_stamp[free], cached, density) if not pool.num_unowned else \
-        (pool.free_stamp[free], density, cached)
-    keys += (pinned(free) if pinned is not None else np.zeros(len(free), dtype=bool),)
-    return free[np.lexsort(keys)[:count]].astype(np.int32)
+    """`count` free pages of a bounded group, which the caller takes: unpinned first; while free slabs
+    remain, empty before cached; then in the slabs with the most held pages (so the others drain whole
+    and can change hands), then freed longest ago; then lowest id. Read from the pool's `SlabIndex`
+    (O(count + pinned pages passed over) x log), not from the group's page range."""
+    return pool.index.pop_dense(group, count, getattr(pool.eviction_order, "pinned_mask", None))
 
 
 def reclaimable(pool, group: int, counts: list[int] | None = None, fallback: bool = True) -> int:
     """The whole free slab of another group to take first: without pins, then without cached blocks,
-    then the one freed longest ago; never one that a group needs for its `counts` pages."""
+    then the one freed longest ago; never one that a group needs for its `counts` pages. Reads the
+    other groups' whole free slabs only (the pool's `SlabIndex`), not every slab."""
     best, best_key = -1, None
     pinned = getattr(pool.eviction_order, "pinned_mask", None)
     for other in range(len(pool.pages_per_slab)):
@@ -36,9 +28,10 @@ def reclaimable(pool, group: int, counts: list[int] | None = None, fallback: boo
             continue
         if counts is not None and pool.group_free[other] - pool.pages_per_slab[other] < counts[other]:
             continue
-        slabs = np.flatnonzero((pool.slab_owner == other) & (pool.slab_held == 0))
-        if not len(slabs):
+        whole = pool.index.whole[other]
+        if not whole:
             continue
+        slabs = np.fromiter(sorted(whole), dtype=np.int64, count=len(whole))
         k = int(pool.pages_per_slab[other])
         ids = int(pool.bases[other]) + slabs[:, None] * k + np.arange(k)[None, :]
         keys = np.stack([pinned(ids).any(axis=1) if pinned is not None else np.zeros(len(slabs), bool),
@@ -58,14 +51,12 @@ def take_older_slabs(pool, group: int, count: int, evicted: list | None, moves: 
                      spare: list[int], counts: list[int]) -> None:
     """Under pressure: while a whole free slab of another group was freed before the oldest cached
     free page of `group` and `group`'s empty pages do not cover `count`, take that slab instead
-    (at most `spare[0]` slabs)."""
-    start, stop = pool.group_range(group)
-    free = (pool.ref_counts[start:stop] == 0)
-    cached = free & (pool.page_group[start:stop] >= 0)
-    empty = int(np.count_nonzero(free & ~cached))
-    if empty >= count or not cached.any():
+    (at most `spare[0]` slabs). Reads `group`'s oldest cached free page from the pool's `SlabIndex`."""
+    cached = pool.index.cached_free[group]
+    empty = int(pool.group_free[group]) - len(cached)
+    if empty >= count or not cached:
         return
-    oldest_own = int(pool.free_stamp[start:stop][cached].min())
+    oldest_own = pool.index.oldest_cached_stamp(group)
     while empty < count and spare[0] > 0:
         whole = pool.whole_free_slabs()
         if whole.sum() - whole[group] == 0:

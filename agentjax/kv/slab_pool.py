@@ -5,7 +5,9 @@ of slab s. A slab belongs to one group at a time; the ids of the other groups in
 slab map (reference count 1), so no eviction order ever hands them out. Allocation of a group's pages
 takes its own empty pages, then free slabs, then either its own cached pages (in its eviction order) or
 a whole free slab of another group, whichever was freed longer ago (docs/design/kv_memory.md).
-Counts that mix groups are in units (`units_per_page`). Host only: never imports jax.
+Counts that mix groups are in units (`units_per_page`). No allocation, release or hit scans a group's
+page range: `SlabIndex` (agentjax/kv/slab_index.py) keeps what the choices read. Host only: never
+imports jax.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from agentjax.errors import OutOfPagesError
 from agentjax.kv.block_pool import NULL_PAGE, BlockPool
 from agentjax.kv.eviction import EvictionOrder
 from agentjax.kv.slab_choice import densest_free, reclaimable, take_older_slabs
+from agentjax.kv.slab_index import FREE_SLAB, SlabIndex, check_index
 
-FREE_SLAB, NULL_SLAB = -1, -2
+NULL_SLAB = -2
 
 
 class SlabPool(BlockPool):
@@ -51,6 +54,7 @@ class SlabPool(BlockPool):
         self._stamp = 1
         self.slab_moves = 0  # conversions: a slab given to a group
         self.slab_trades = 0  # of which the slab came from another group (not from the free slabs)
+        self.index = SlabIndex(self)
 
     # -- ids ---------------------------------------------------------------------------------------
     def group_of(self, pages: np.ndarray) -> np.ndarray:
@@ -92,24 +96,22 @@ class SlabPool(BlockPool):
 
     def whole_free_slabs(self) -> np.ndarray:
         """Per group: owned slabs whose pages are all free (cached or not)."""
-        owned = (self.slab_owner >= 0) & (self.slab_held == 0)
-        return np.bincount(self.slab_owner[owned], minlength=len(self.pages_per_slab))
+        return self.index.whole_counts()
 
     def spare_slabs(self, demands: dict[int, int], touched: np.ndarray | None = None) -> int:
         """Slabs left over once the free pages `touched` (a hit's) are taken and each group `g` got
         `demands[g]` free pages more (its free pages in slabs it still uses first, then whole slabs);
         negative when they do not fit."""
-        held = self.slab_held
         group_free = self.group_free
+        whole = self.index.whole_counts()
         if touched is not None and len(touched):
             touched = np.asarray(touched, dtype=np.int64)
             touched = touched[self.ref_counts[touched] == 0]
             groups = self.group_of(touched)
-            held = held.copy()
-            np.add.at(held, self.slab_of(touched, groups), 1)
+            slabs = np.unique(self.slab_of(touched, groups))  # free pages lie in slabs their group owns
+            ending = slabs[self.slab_held[slabs] == 0]  # whole free slabs the hit would hold a page of
+            whole = whole - np.bincount(self.slab_owner[ending], minlength=len(whole))
             group_free = group_free - np.bincount(groups, minlength=len(group_free))
-        owned = (self.slab_owner >= 0) & (held == 0)
-        whole = np.bincount(self.slab_owner[owned], minlength=len(self.pages_per_slab))
         needed = 0
         for group, count in demands.items():
             if count <= 0:
@@ -129,7 +131,10 @@ class SlabPool(BlockPool):
         if len(pages):
             pages = np.asarray(pages, dtype=np.int64)
             leaving = pages[self.ref_counts[pages] == 0]
-            self._held_changed(leaving, +1)
+            self.index.taken(leaving)
+            super().touch(pages)
+            self._held_changed(leaving, +1)  # after: the index reads which pages are free
+            return
         super().touch(pages)
 
     def release(self, pages: np.ndarray) -> None:
@@ -139,17 +144,49 @@ class SlabPool(BlockPool):
         super().release(pages)
         if len(pages):
             freed = pages[before == 1]
-            self._held_changed(freed, -1)
             self.free_stamp[freed] = np.arange(self._stamp, self._stamp + len(freed))
             self._stamp += len(freed)
+            self.index.freed(freed, relist=False)
+            self._held_changed(freed, -1)  # relists their slabs
 
     def _held_changed(self, pages: np.ndarray, sign: int) -> None:
         """`pages` went from free to held (+1) or back (-1)."""
         if not len(pages):
             return
         groups = self.group_of(pages)
-        np.add.at(self.slab_held, self.slab_of(pages, groups), sign)
+        slabs = self.slab_of(pages, groups)
+        distinct = np.unique(slabs)
+        before = self.slab_held[distinct]
+        np.add.at(self.slab_held, slabs, sign)
         np.subtract.at(self.group_free, groups, sign)
+        self.index.held_changed(distinct, before)
+
+    # -- cached blocks of free pages (the index counts them apart) ---------------------------------
+    def cache_page(self, page: int, group: int, block_hash, parent, tokens=None) -> bool:
+        if not super().cache_page(page, group, block_hash, parent, tokens):
+            return False
+        if self.ref_counts[page] == 0:
+            self.index.cached_changed(page, group, True)
+        return True
+
+    def cache_pages(self, pages: list[int], group: int, hashes: list, parents: list) -> None:
+        if pages and (self.ref_counts[pages] == 0).any():  # page by page, so each free one is counted
+            for page, block_hash, parent in zip(pages, hashes, parents):
+                self.cache_page(page, group, block_hash, parent)
+            return
+        super().cache_pages(pages, group, hashes, parents)
+
+    def _evict_many(self, pages: list[int], hashes: list, groups: list[int]) -> None:
+        free = [(page, group) for page, group in zip(pages, groups) if self.ref_counts[page] == 0]
+        super()._evict_many(pages, hashes, groups)
+        for page, group in free:
+            self.index.cached_changed(page, group, False)
+
+    def _evict(self, page: int, count: bool = True) -> None:
+        group = int(self.page_group[page])
+        super()._evict(page, count)
+        if self.ref_counts[page] == 0:
+            self.index.cached_changed(page, group, False)
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate(self, count: int, evicted: list | None = None, group: int | None = None,
@@ -190,7 +227,7 @@ class SlabPool(BlockPool):
             while empty < count and self.num_unowned and (spare[0] > 0 or self.group_free[group] < count):
                 if self.group_free[group] >= count:
                     spare[0] -= 1
-                self.convert_slab(int(np.flatnonzero(self.slab_owner == FREE_SLAB)[0]), group, evicted, moves)
+                self.convert_slab(self.index.first_unowned(), group, evicted, moves)
                 empty += k
         while self.group_free[group] < count:
             self.convert_slab(reclaimable(self, group, counts), group, evicted, moves)
@@ -223,6 +260,7 @@ class SlabPool(BlockPool):
 
     def _took(self, pages: np.ndarray, evicted: list | None) -> np.ndarray:
         count = len(pages)
+        self.index.taken(pages.astype(np.int64))
         self.ref_counts[pages] = 1
         self.num_free -= count
         self._held_changed(pages.astype(np.int64), +1)
@@ -242,8 +280,7 @@ class SlabPool(BlockPool):
         self._evict_many(pages, hashes, groups)
 
     def _empty_free(self, group: int) -> int:
-        start, stop = self.group_range(group)
-        return int(np.count_nonzero((self.ref_counts[start:stop] == 0) & (self.page_group[start:stop] < 0)))
+        return int(self.group_free[group]) - self.index.num_cached_free(group)
 
     def convert_slab(self, slab: int, group: int, evicted: list | None, moves: list | None) -> None:
         """Give `slab` (free, or wholly free in another group) to `group`; its cached blocks are evicted."""
@@ -252,13 +289,14 @@ class SlabPool(BlockPool):
         if old >= 0:
             old_pages = self.slab_pages(slab, old)
             positions = self.eviction_order.positions(old_pages)
+            self.index.taken(old_pages)
+            self.ref_counts[old_pages] = 1
             cached = [page for page in old_pages.tolist() if self.page_hash[page] is not None]
             if cached:  # kept with the move (not in `evicted`: the new group may take the same ids)
                 self._record_and_evict(cached, blocks)
             forget = getattr(self.eviction_order, "on_reclaimed", None)
             if forget is not None:
                 forget(old_pages)
-            self.ref_counts[old_pages] = 1
             self.group_free[old] -= len(old_pages)
             self.num_free -= len(old_pages)
             self.slab_trades += 1
@@ -270,6 +308,8 @@ class SlabPool(BlockPool):
         self.num_free += len(new_pages)
         self.eviction_order.push_fresh(new_pages)
         self.slab_owner[slab] = group
+        self.index.owner_changed(slab, old, group)
+        self.index.freed(new_pages)
         self.slab_moves += 1
         if moves is not None:
             moves.append((slab, old, group, old_pages, positions, blocks))
@@ -287,16 +327,19 @@ class SlabPool(BlockPool):
             if (self.ref_counts[new_pages] != 0).any() or (self.page_group[new_pages] >= 0).any():
                 continue
             self.version += 1
+            self.index.taken(new_pages)
             self.ref_counts[new_pages] = 1
             self.group_free[group] -= len(new_pages)
             self.num_free -= len(new_pages)
             self.slab_owner[slab] = old
+            self.index.owner_changed(slab, group, old)
             if old < 0:
                 self.num_unowned += 1
                 continue
             self.ref_counts[old_pages] = 0
             self.group_free[old] += len(old_pages)
             self.num_free += len(old_pages)
+            self.index.freed(old_pages)
             for page in old_pages.tolist():
                 if page in held:
                     group_id, block_hash, parent, tokens = held[page]
@@ -322,15 +365,9 @@ class SlabPool(BlockPool):
     # -- accounting --------------------------------------------------------------------------------
     def group_usage(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per group: (slabs owned, pages held by requests, pages cached and free)."""
-        owned = np.bincount(self.slab_owner[self.slab_owner >= 0], minlength=len(self.pages_per_slab))
-        held = np.zeros(len(self.pages_per_slab), dtype=np.int64)
-        cached_free = np.zeros(len(self.pages_per_slab), dtype=np.int64)
-        for group in range(len(self.pages_per_slab)):
-            start, stop = self.group_range(group)
-            owned_ids = self.slab_owner[(np.arange(start, stop) - start) // int(self.pages_per_slab[group])] == group
-            refs = self.ref_counts[start:stop]
-            held[group] = int(np.count_nonzero(owned_ids & (refs > 0)))
-            cached_free[group] = int(np.count_nonzero(owned_ids & (refs == 0) & (self.page_group[start:stop] >= 0)))
+        owned = self.index.owned.copy()
+        held = owned * self.pages_per_slab - self.group_free
+        cached_free = np.asarray([self.index.num_cached_free(g) for g in range(len(owned))], dtype=np.int64)
         return owned, held, cached_free
 
     def map_held(self) -> np.ndarray:
@@ -356,3 +393,4 @@ class SlabPool(BlockPool):
             held = int(np.count_nonzero(self.ref_counts[self.slab_pages(slab, owner)] > 0))
             assert held == self.slab_held[slab], (slab, held, int(self.slab_held[slab]))
         assert self.num_unowned == int(np.count_nonzero(self.slab_owner == FREE_SLAB))
+        check_index(self)

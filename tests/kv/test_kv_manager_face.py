@@ -33,6 +33,7 @@ MANAGER_FILES = frozenset({
 # the scheduler to measure the manager and its policies alone.
 STEP_PATH_DRIVERS = {
     "agentjax/bench/kv_sim.py": "the KV policy simulator replays traces against the manager alone",
+    "scripts/bench_kv_pool_bookkeeping.py": "times the manager's own host cost per request, without a scheduler",
 }
 MANAGER_NAMES = frozenset({"kv", "kv_manager", "kv_cache_manager"})
 
