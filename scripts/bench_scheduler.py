@@ -10,6 +10,11 @@ the "## Scheduler" section of BENCHMARKS.md. A benchmark, not a test: CI does no
 
     python scripts/bench_scheduler.py --num-traces 20 --tokens-per-block 10 -C 16 64 --repeats 3 --write-md
 
+Two workloads (`--configs`): "dev", the workload flags as given (the dev traces mostly hit the cache),
+and "pressure", other agent traces whose contexts overflow the pool, so the token hit rate falls to
+about 0.4 and admissions wait for pages (`--pressure-*` flags: the trace glob, tokens per trace block,
+pool size and concurrency; the other workload flags are shared).
+
 It re-executes itself in the harness's vLLM venv (Python 3.11, built by the harness's setup.sh; its
 Python in VLLM_VENV_PYTHON) with the repo on PYTHONPATH. `--engines agentjax` runs without vLLM;
 `--profile` adds a cProfile of one agentjax run per C (top functions by own time).
@@ -32,6 +37,7 @@ HARNESS = Path(os.environ.get("VLLM_BASELINE_DIR", REPO.parent / "shared" / "ben
 VENV_PY = Path(os.environ.get("VLLM_VENV_PYTHON", ""))
 SECTION = "## Scheduler"
 CHILD_ENV = "AGENTJAX_BENCH_SCHEDULER_CHILD"
+CONFIGS = {"dev": "dev traces", "pressure": "cache pressure"}
 IMPORTED = ["agentjax/scheduler", "agentjax/kv", "agentjax/config.py", "agentjax/sampling_params.py"]
 
 
@@ -59,6 +65,12 @@ def parse_args(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", nargs="+", choices=["vllm", "agentjax"], default=["vllm", "agentjax"])
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--pressure-traces", default=None,
+                    help="trace glob of the pressure workload (default: trace_01* of the dev traces' folder)")
+    ap.add_argument("--pressure-tokens-per-block", type=int, default=15)
+    ap.add_argument("--pressure-num-blocks", type=int, default=20000)
+    ap.add_argument("--pressure-concurrency", type=int, nargs="+", default=[16])
     ap.add_argument("--concurrency", "-C", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-blocks", type=int, default=20000)
@@ -80,6 +92,22 @@ def parse_args(argv=None):
                     help="summarize (and --write-md) the runs saved by an earlier --out instead of running")
     add_workload_args(ap)
     return ap.parse_args(argv)
+
+
+def configurations(a) -> list[tuple[str, argparse.Namespace]]:
+    """(name, flags) per selected workload: "pressure" takes its trace glob, scale, pool and concurrency
+    from the --pressure-* flags, everything else from the shared flags."""
+    out = []
+    for name in a.configs:
+        c = argparse.Namespace(**vars(a))
+        if name == "pressure":
+            from workload import WorkloadConfig
+
+            c.traces = a.pressure_traces or str(Path(WorkloadConfig.traces).parent / "trace_01*.json*")
+            c.tokens_per_block, c.num_blocks = a.pressure_tokens_per_block, a.pressure_num_blocks
+            c.concurrency, c.max_context = a.pressure_concurrency, None
+        out.append((name, c))
+    return out
 
 
 def make_adapter(engine: str, a, max_model_len: int):
@@ -140,13 +168,15 @@ def _fmt(x, nd=1):
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
-def summarize(results: list[dict], engines: list[str], concurrency: list[int]) -> list[dict]:
+def summarize(results: list[dict], engines: list[str], keys: list[tuple[str, int]]) -> list[dict]:
+    """One row per (workload, C) of `keys`; results without a "config" are of the dev workload."""
     rows = []
-    for C in concurrency:
-        row = {"C": C}
+    for config, C in keys:
+        row = {"C": C, "config": config}
+        mine = [r for r in results if r.get("config", "dev") == config and r["concurrency"] == C]
         for e in engines:
-            rs = [r for r in results if r["engine_key"] == e and r["concurrency"] == C and "error" not in r]
-            errs = [r["error"] for r in results if r["engine_key"] == e and r["concurrency"] == C and "error" in r]
+            rs = [r for r in mine if r["engine_key"] == e and "error" not in r]
+            errs = [r["error"] for r in mine if r["engine_key"] == e and "error" in r]
             if errs:
                 row.setdefault("errors", {})[e] = errs
             if not rs:
@@ -167,8 +197,7 @@ def summarize(results: list[dict], engines: list[str], concurrency: list[int]) -
                 "resumes": rs[0].get("preempted_resumes"),
             }
         if "vllm" in row and "agentjax" in row:
-            rv, ra = [[r for r in results if r["concurrency"] == C and r["engine_key"] == e and "error" not in r]
-                      for e in ("vllm", "agentjax")]
+            rv, ra = [[r for r in mine if r["engine_key"] == e and "error" not in r] for e in ("vllm", "agentjax")]
             # per-repeat ratios (the two runs of one repeat ran back to back)
             vb = {r["repeat"]: r for r in rv}
             row["ratios"] = [round(x["step_us"]["median"] / vb[x["repeat"]]["step_us"]["median"], 2)
@@ -178,9 +207,9 @@ def summarize(results: list[dict], engines: list[str], concurrency: list[int]) -
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| C | engine | step µs median (runs) | step µs p99 | saturated-step µs median (share of steps) "
+    out = ["| workload | C | engine | step µs median (runs) | step µs p99 | saturated-step µs median (share of steps) "
            "| schedule / update µs median | schedule+update total s | steps | turns | hit rate | preemptions "
-           "| max running |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| max running |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for e in ("vllm", "agentjax"):
             d = row.get(e)
@@ -189,13 +218,13 @@ def table(rows: list[dict]) -> str:
             runs = ", ".join(_fmt(x) for x in d["step_med_runs"])
             sat = "n/a (never C in flight)" if d["sat_med"] is None else \
                 f"{_fmt(d['sat_med'])} ({100 * d['sat_frac']:.0f}%)"
-            out.append(f"| {row['C']} | {e} | {_fmt(d['step_med'])} ({runs}) | {_fmt(d['step_p99'])} | {sat} | "
+            out.append(f"| {CONFIGS[row['config']]} | {row['C']} | {e} | {_fmt(d['step_med'])} ({runs}) | {_fmt(d['step_p99'])} | {sat} | "
                        f"{_fmt(d['sched_med'])} / {_fmt(d['upd_med'])} | {_fmt(d['total_s'], 2)} | {d['steps']} | "
                        f"{d['turns']} | {d['hit']:.4f} | {'/'.join(map(str, d['preemptions']))} | "
                        f"{d['max_running']} |")
     for row in rows:
         for e, errs in row.get("errors", {}).items():
-            out.append(f"\n{e} at C={row['C']} failed in {len(errs)} run(s): `{errs[0]}`")
+            out.append(f"\n{e} on {CONFIGS[row['config']]} at C={row['C']} failed in {len(errs)} run(s): `{errs[0]}`")
     return "\n".join(out)
 
 
@@ -209,8 +238,8 @@ def ratio_lines(rows: list[dict]) -> list[str]:
         sat = ""
         if v["sat_med"] and x["sat_med"]:
             sat = f"; saturated steps {x['sat_med']:.1f} / {v['sat_med']:.1f} µs = {x['sat_med'] / v['sat_med']:.2f}"
-        lines.append(f"- C={row['C']}: agentjax / vLLM median step = {x['step_med']:.1f} / {v['step_med']:.1f} µs "
-                     f"= **{r:.2f}** (per repeat: {', '.join(map(str, row['ratios']))}; goal <= 0.50){sat}; "
+        lines.append(f"- {CONFIGS[row['config']]}, C={row['C']}: agentjax / vLLM median step = {x['step_med']:.1f} / {v['step_med']:.1f} µs "
+                     f"= **{r:.2f}** (per repeat: {', '.join(map(str, row['ratios']))}; goal <= 0.30){sat}; "
                      f"hit rate {x['hit']:.4f} vs {v['hit']:.4f} ({100 * (x['hit'] - v['hit']):+.2f} pt).")
     return lines
 
@@ -235,11 +264,12 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     from workload import load_workload, workload_config_from_args
 
-    t0 = time.perf_counter()
-    wl = load_workload(workload_config_from_args(a))
-    summ = wl.summary()
-    max_model_len = a.max_model_len or summ["max_seq_len"]
-    print(f"workload: {json.dumps(summ)} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    configs, loaded = configurations(a), {}
+    for name, c in configs:
+        t0 = time.perf_counter()
+        wl = load_workload(workload_config_from_args(c))
+        loaded[name] = (wl, wl.summary(), c.max_model_len or wl.summary()["max_seq_len"])
+        print(f"workload {name}: {json.dumps(loaded[name][1])} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     vver = None
     if "vllm" in a.engines and not a.from_jsonl:
         import vllm_adapter as va
@@ -247,46 +277,51 @@ def main(argv=None) -> int:
         vver = va.vllm_version()
     results = []
     rev = _git_rev()
+    keys = [(name, C) for name, c in configs for C in c.concurrency]
     if a.from_jsonl:
         with open(a.from_jsonl) as f:
             results = [json.loads(line) for line in f if line.strip()]
         a.engines = [e for e in a.engines if any(r["engine_key"] == e for r in results)]
-        a.concurrency = sorted({r["concurrency"] for r in results})
+        keys = sorted({(r.get("config", "dev"), r["concurrency"]) for r in results}, key=lambda k: (k[0] != "dev", k))
         a.repeats = 0
         vver = next((r.get("vllm") for r in results if r.get("vllm")), vver)
     for rep in range(a.repeats):
-        for C in a.concurrency:
-            order = a.engines if rep % 2 == 0 else list(reversed(a.engines))
-            for e in order:
-                res = run_one(e, C, a, wl, max_model_len)
-                res.update(repeat=rep, agentjax_rev=rev, max_num_batched_tokens=a.max_num_batched_tokens,
-                           long_prefill_token_threshold=a.long_prefill_token_threshold,
-                           num_blocks=a.num_blocks, block_size=a.block_size, max_model_len=max_model_len,
-                           python=platform.python_version(), vllm=vver, workload=summ)
-                results.append(res)
-                if "error" in res:
-                    print(f"[rep {rep} C={C:>3} {e:<8}] FAILED: {res['error']}", file=sys.stderr, flush=True)
-                    continue
-                su, ss = res["step_us"], res["step_us_saturated"]
-                print(f"[rep {rep} C={C:>3} {e:<8}] wall={res['wall_s']}s steps={res['steps']} "
-                      f"turns={res['completed_turns']}/{res['total_turns']} step_us med/p99="
-                      f"{su.get('median')}/{su.get('p99')} sat={ss.get('median')} "
-                      f"sched/upd={res['schedule_us'].get('median')}/{res['update_from_output_us'].get('median')} "
-                      f"hit={res['prefix_hit_rate']:.4f} pre={res['preemptions']}", file=sys.stderr, flush=True)
-                if a.out:
-                    with open(a.out, "a") as f:
-                        f.write(json.dumps(res) + "\n")
-    rows = summarize(results, a.engines, a.concurrency)
+        for name, c in configs:
+            wl, summ, max_model_len = loaded[name]
+            for C in c.concurrency:
+                order = a.engines if rep % 2 == 0 else list(reversed(a.engines))
+                for e in order:
+                    res = run_one(e, C, c, wl, max_model_len)
+                    res.update(repeat=rep, config=name, agentjax_rev=rev, max_num_batched_tokens=a.max_num_batched_tokens,
+                               long_prefill_token_threshold=a.long_prefill_token_threshold,
+                               num_blocks=c.num_blocks, block_size=a.block_size, max_model_len=max_model_len,
+                               python=platform.python_version(), vllm=vver, workload=summ)
+                    results.append(res)
+                    tag = f"[rep {rep} {name:<8} C={C:>3} {e:<8}]"
+                    if "error" in res:
+                        print(f"{tag} FAILED: {res['error']}", file=sys.stderr, flush=True)
+                        continue
+                    su, ss = res["step_us"], res["step_us_saturated"]
+                    print(f"{tag} wall={res['wall_s']}s steps={res['steps']} "
+                          f"turns={res['completed_turns']}/{res['total_turns']} step_us med/p99="
+                          f"{su.get('median')}/{su.get('p99')} sat={ss.get('median')} "
+                          f"sched/upd={res['schedule_us'].get('median')}/{res['update_from_output_us'].get('median')} "
+                          f"hit={res['prefix_hit_rate']:.4f} pre={res['preemptions']}", file=sys.stderr, flush=True)
+                    if a.out:
+                        with open(a.out, "a") as f:
+                            f.write(json.dumps(res) + "\n")
+    rows = summarize(results, a.engines, keys)
     tab = table(rows)
     print(tab)
     for line in ratio_lines(rows):
         print(line)
     if a.profile:
-        for C in a.concurrency:
-            print(profile_agentjax(C, a, wl, max_model_len), file=sys.stderr)
+        for name, c in configs:
+            for C in c.concurrency:
+                print(f"[{name}] " + profile_agentjax(C, c, *loaded[name][::2]), file=sys.stderr)
     if a.write_md:
         rev = next((r["agentjax_rev"] for r in results if r.get("agentjax_rev")), rev)
-        write_md(section(a, argv, summ, rows, tab, vver, rev))
+        write_md(section(a, argv, {name: (c, loaded[name][1]) for name, c in configs}, rows, tab, vver, rev))
         print(f"wrote the {SECTION!r} section of {REPO / 'BENCHMARKS.md'}", file=sys.stderr)
     return 0
 
@@ -302,7 +337,14 @@ def _git_rev() -> str:
         return "unknown"
 
 
-def section(a, argv, summ, rows, tab, vver, rev) -> str:
+def _workload_line(name: str, c, summ: dict) -> str:
+    return (f"- {CONFIGS[name]}: `{Path(c.traces).name}` ({summ['files']} traces, {summ['sessions']} sessions, "
+            f"{summ['turns']} turns), {summ['tokens_per_block']} tokens per trace block, mean prompt "
+            f"{summ['mean_prompt']:.0f} tokens (max {summ['max_prompt']}); {c.num_blocks} pages of {c.block_size} "
+            f"tokens; C = {', '.join(map(str, c.concurrency))}.")
+
+
+def section(a, argv, workloads: dict, rows, tab, vver, rev) -> str:
     cmd = "python scripts/bench_scheduler.py " + " ".join(argv if argv is not None else sys.argv[1:])
     cmd = re.sub(r" --(write-md|from-jsonl \S+|notes \S+)", "", cmd).strip()
     return "\n".join([
@@ -315,11 +357,11 @@ def section(a, argv, summ, rows, tab, vver, rev) -> str:
         "`scripts/sched_adapter.py::AgentjaxSchedulerAdapter`. No model: the fake output gives token 7 to every "
         "row that finished its prefill.",
         f"Machine: {platform.machine()} VM with {os.cpu_count()} CPU cores shared with other work, Python "
-        f"{platform.python_version()}, vLLM {vver}, agentjax at {rev}. Workload: {summ['files']} traces, "
-        f"{summ['sessions']} sessions, {summ['turns']} turns, {summ['tokens_per_block']} tokens per trace block, "
-        f"mean prompt {summ['mean_prompt']:.0f} tokens (max {summ['max_prompt']}); {a.num_blocks} pages of "
-        f"{a.block_size} tokens, max_num_batched_tokens {a.max_num_batched_tokens}, max_num_seqs {a.max_num_seqs}, "
-        f"long_prefill_token_threshold {a.long_prefill_token_threshold}.",
+        f"{platform.python_version()}, vLLM {vver}, agentjax at {rev}; max_num_batched_tokens "
+        f"{a.max_num_batched_tokens}, max_num_seqs {a.max_num_seqs}, long_prefill_token_threshold "
+        f"{a.long_prefill_token_threshold}. Workloads (the pressure one's contexts overflow the pool: admissions "
+        "wait for pages and the hit rate falls to about 0.4):",
+        *[_workload_line(name, c, summ) for name, (c, summ) in workloads.items()],
         "",
         "Step time = `schedule()` + `update_from_output()`; for agentjax the update also holds the finish "
         "handling (length check and `Scheduler.remove`, which frees the pages), as vLLM's `update_from_output` "

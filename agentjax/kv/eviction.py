@@ -91,6 +91,8 @@ class LRUEvictionOrder:
                     page_group: np.ndarray | None = None) -> np.ndarray:
         if allowed is not None:
             return pop_in_range(self, count, *allowed, page_group)
+        if count == 1 and (victim := self._first_live(8)) is not None:
+            return victim
         taken: list[np.ndarray] = []
         need = count
         while need > 0 and self._head < self._tail:
@@ -114,6 +116,20 @@ class LRUEvictionOrder:
         # Their entries are spent (reference count 1); the stamps stay so that an undo can put them back.
         self._last_victims = victims
         return victims
+
+    def _first_live(self, scan: int) -> np.ndarray | None:
+        """The first live page among the next `scan` queue entries, taken as `pop_victims(1)` takes it
+        (the head moves past it), or None (nothing moved) if those entries are all dead. A decode row's
+        next page: a few scalar reads instead of the vectorised scan of a 64-entry chunk."""
+        queue_pages, queue_stamps, ref_counts, page_stamp = (self._queue_pages, self._queue_stamps,
+                                                             self._ref_counts, self._page_stamp)
+        for position in range(self._head, min(self._tail, self._head + scan)):
+            page = int(queue_pages[position])
+            if ref_counts[page] == 0 and page_stamp[page] == queue_stamps[position]:
+                self._head = position + 1
+                self._last_victims = np.array([page], dtype=queue_pages.dtype)
+                return self._last_victims
+        return None
 
     def push_fresh(self, pages: np.ndarray) -> None:
         self.reinstate(pages, fresh_stamps(self, len(pages)))

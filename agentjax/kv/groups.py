@@ -27,6 +27,15 @@ class GroupTable:
     num_cached_pages: int = 0  # leading pages already offered to the cache
     last_checkpoint: int = 0  # checkpoint groups: tokens at the latest saved state
     save_points: list[int] = field(default_factory=list)  # checkpoint groups: tokens saved in pages[1:]
+    handed_out: bool = False  # `pages` went out through `KVCacheManager.block_ids`: never edit it in place
+
+    def own_pages(self) -> list[int]:
+        """`pages`, ready to edit in place: copied first if it was handed out (the holder's list stays as
+        it was), so a step's tables are not copied while they do not change."""
+        if self.handed_out:
+            self.pages = list(self.pages)
+            self.handed_out = False
+        return self.pages
 
 
 class GroupManager:
@@ -53,6 +62,10 @@ class GroupManager:
     def reused_pages(self, keys: list[BlockHash], hit: int) -> tuple[list[int], int]:
         """(cached pages the hit takes, index of the first of them in the block table)."""
         raise NotImplementedError
+
+    def page_array(self, pages: list[int]) -> np.ndarray:
+        """`pages` (reused pages this group returned) as an int64 array."""
+        return np.asarray(pages, dtype=np.int64)
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_page)
@@ -99,6 +112,7 @@ class PrefixGroup(GroupManager):
     """Full attention, MLA latent, compressed latent, indexer keys: every earlier token is needed."""
 
     _last_run: tuple | None = None
+    _handed_out: tuple[list[int], np.ndarray] | None = None  # the last run returned, and its pages' array
 
     def __init__(self, group: KVGroup, pool: BlockPool, hash_block_size: int):
         super().__init__(group, pool, hash_block_size)
@@ -111,25 +125,33 @@ class PrefixGroup(GroupManager):
         that stopped at a missing key answers any longer request too."""
         last = self._last_run
         if last is not None and last[0] is keys and last[1] == self.pool.version:
-            run = last[2]
+            run, array = last[2], last[4]
             if len(run) >= max_pages:
-                return run[:max_pages]
+                return self._hand_out(run[:max_pages], array[:max_pages])
             if len(run) < last[3] or last[3] == len(keys):  # it stopped at a miss, or at the last key
-                return run
+                return self._hand_out(run, array)
         mapped = min(max_pages, len(keys))
         run, array = self.known_runs.known_prefix(keys, mapped)
         if len(run) < mapped:
-            tail = list(map(self.index.get, keys[len(run):mapped]))
-            try:
-                del tail[tail.index(None):]
-            except ValueError:
-                pass
+            tail = leading_cached(self.index, keys, len(run), mapped)
             if tail:
                 run = run + tail
                 array = np.concatenate([array, np.asarray(tail, dtype=np.int32)])
                 self.known_runs.remember(keys, run, array)
-        self._last_run = (keys, self.pool.version, run, mapped)
+        self._last_run = (keys, self.pool.version, run, mapped, array)
+        return self._hand_out(run, array)
+
+    def _hand_out(self, run: list[int], array: np.ndarray) -> list[int]:
+        self._handed_out = (run, array)
         return run
+
+    def page_array(self, pages: list[int]) -> np.ndarray:
+        """The run `cached_run` returned last as the array its known run keeps (no conversion page by
+        page); any other list is converted."""
+        handed_out = self._handed_out
+        if handed_out is not None and handed_out[0] is pages:
+            return handed_out[1].astype(np.int64)
+        return super().page_array(pages)
 
     def find_hit(self, keys: list[BlockHash], limit: int, cap: int) -> int:
         size = self.tokens_per_page
@@ -181,7 +203,7 @@ class WindowGroup(GroupManager):
         for j in range(min(first_needed, len(table.pages))):
             if table.pages[j] != NULL_PAGE:
                 dropped.append(table.pages[j])
-                table.pages[j] = NULL_PAGE
+                table.own_pages()[j] = NULL_PAGE
         return dropped
 
     def release_order(self, table: GroupTable) -> list[int]:
@@ -228,3 +250,19 @@ def make_group_manager(group: KVGroup, pool: BlockPool, hash_block_size: int) ->
     rule = group.spec.hit_rule
     cls = {"prefix": PrefixGroup, "window": WindowGroup, "checkpoint": CheckpointGroup}[rule]
     return cls(group, pool, hash_block_size)
+
+
+def leading_cached(index: dict, keys: list[BlockHash], start: int, stop: int) -> list[int]:
+    """The pages of `keys[start:stop]` up to the first key `index` lacks. Probed in chunks that double
+    (dict lookups in C via map), so a run that ends soon after `start`, as under cache pressure, costs a
+    few probes instead of one per key up to `stop`."""
+    found: list[int] = []
+    chunk = 8
+    while start < stop:
+        end = min(stop, start + chunk)
+        part = list(map(index.get, keys[start:end]))
+        if None in part:
+            return found + part[:part.index(None)]
+        found += part
+        start, chunk = end, 2 * chunk
+    return found

@@ -55,6 +55,8 @@ def tokens_as_uint32(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
             raise InvalidRequestError(
                 f"token ids must lie in [0, 2**32), got range [{token_ids.min()}, {token_ids.max()}]")
         return token_ids.astype("<u4")
+    if type(token_ids) is list and len(token_ids) == 1 and type(token_ids[0]) is int and 0 <= token_ids[0] < 2**32:
+        return np.array(token_ids, dtype="<u4")  # a decode step's token: cheaper than the buffer below
     try:
         buffer = array.array("I", token_ids)
     except (OverflowError, TypeError) as error:

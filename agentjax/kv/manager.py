@@ -44,7 +44,7 @@ from agentjax.kv.eviction import EvictionOrder
 from agentjax.kv.pinned_order import PinnedEvictionOrder
 from agentjax.kv.groups import CheckpointGroup, GroupManager, make_group_manager
 from agentjax.kv.hashing import BlockHash, PrefixHashMemo, chain_hashes, tokens_as_uint32
-from agentjax.kv.manager_lookup import PrefixLookupMixin, flat_pages
+from agentjax.kv.manager_lookup import PrefixLookupMixin
 from agentjax.kv.manager_reads import CapacityReadsMixin
 from agentjax.kv.manager_states import RecurrentStateMixin
 from agentjax.kv.requests import AdmissionUndo, RequestKV, TokenBuffer
@@ -159,7 +159,7 @@ class KVCacheManager(PrefixLookupMixin, CapacityReadsMixin, RecurrentStateMixin)
             raise InvalidRequestError(f"request {req_id!r} already holds pages; free it first")
         tokens, hashes, hit, reuse = self.prepare(token_ids, cache_salt)
         pool = self.pool
-        reused = flat_pages(reuse)
+        reused = self._reused_array(reuse)
         was_free = reused[pool.ref_counts[reused] == 0] if len(reused) else reused  # a hit takes them out
         new = self._new_pages(reuse, len(tokens), num_reserved_tokens)
         if pool.num_groups_share_ids:
@@ -253,7 +253,7 @@ class KVCacheManager(PrefixLookupMixin, CapacityReadsMixin, RecurrentStateMixin)
         if sum(growth):
             group_pages, _, _ = self.pool.take(growth)
             for table, pages in zip(request.tables, group_pages):
-                table.pages.extend(pages)
+                table.own_pages().extend(pages)
 
     def release_lookahead(self, req_id: str, accepted_drafts: int = 0) -> int:
         """Give back each group's trailing pages that hold neither one of the request's tokens nor the
@@ -272,7 +272,7 @@ class KVCacheManager(PrefixLookupMixin, CapacityReadsMixin, RecurrentStateMixin)
                 continue
             keep = max(group.num_pages_for(request.tokens.size + 1), table.num_cached_pages)
             while len(table.pages) > keep:
-                released.append(table.pages.pop())
+                released.append(table.own_pages().pop())
         if released:
             request.undo = None
             self.pool.release(np.asarray(released, dtype=np.int64))
@@ -316,8 +316,8 @@ class KVCacheManager(PrefixLookupMixin, CapacityReadsMixin, RecurrentStateMixin)
         have, want = len(request.hashes), num_tokens // self.block_size
         if want > have:
             parent = request.hashes[-1] if have else request.root
-            token_bytes = request.tokens.view()[:want * self.block_size].tobytes()
-            request.hashes += chain_hashes(token_bytes, self.block_size, parent, have, want)
+            token_bytes = request.tokens.view()[have * self.block_size:want * self.block_size].tobytes()
+            request.hashes += chain_hashes(token_bytes, self.block_size, parent, 0, want - have)
 
     def free(self, req_id: str, pin_session: Hashable | None = None, ttl_s: float | None = None,
              now: float | None = None) -> None:
@@ -356,10 +356,14 @@ class KVCacheManager(PrefixLookupMixin, CapacityReadsMixin, RecurrentStateMixin)
 
     def block_ids(self, req_id: str) -> list[list[int]]:
         """One page list per group (group order of `plan.groups`); a checkpoint group lists its running page.
-        The device may now write these pages, so this commits the admission."""
+        The device may now write these pages, so this commits the admission. The lists are the tables
+        themselves, not copies: the manager never edits a list it handed out (`GroupTable.own_pages`), so
+        they stay as they are, and a table that did not change since the last step costs nothing."""
         request = self._request(req_id)
         request.undo = None
-        return [list(table.pages) for table in request.tables]
+        for table in request.tables:
+            table.handed_out = True
+        return [table.pages for table in request.tables]
 
     def num_cached_tokens(self, req_id: str) -> int:
         return self._request(req_id).num_cached_tokens

@@ -108,8 +108,15 @@ class PrefixLookupMixin:
         _, _, _, reuse = self.prepare(token_ids, cache_salt)
         new = self._new_pages(reuse, len(token_ids), num_reserved_tokens)
         if self.pool.num_groups_share_ids:
-            return sum(new) + self.pool.count_free_among(flat_pages(reuse)) <= self.pool.num_free
-        return self.pool.can_take(dict(enumerate(new)), touched=flat_pages(reuse))
+            return sum(new) + self.pool.count_free_among(self._reused_array(reuse)) <= self.pool.num_free
+        return self.pool.can_take(dict(enumerate(new)), touched=self._reused_array(reuse))
+
+    def _reused_array(self, reuse: list) -> np.ndarray:
+        """`flat_pages(reuse)`; one group's run comes from the array its group keeps (converting a list of
+        a thousand pages costs more than the rest of an admission that does not fit)."""
+        if len(reuse) == 1 and not getattr(reuse, "tails", ()):
+            return self.groups[0].page_array(reuse[0][0])
+        return flat_pages(reuse)
 
     # -- session and branch pins -----------------------------------------------------------------
     def _pins(self):

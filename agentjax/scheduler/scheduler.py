@@ -94,6 +94,7 @@ class Scheduler:
         self.watermark_blocks = int(watermark * (kv.capacity_units + 1))  # capacity units (pages of one size)
         self.running: list[Request] = []
         self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, arrival_index, request)
+        self._head: tuple[Request, list[int]] | None = None  # the waiting head's token list (`_tokens_of`)
         self.step_index = 0
         self.num_preemptions = 0
 
@@ -276,7 +277,7 @@ class Scheduler:
             if request.is_finished:
                 heapq.heappop(self._waiting)
                 continue
-            tokens = request.all_token_ids  # one list for both: the KV manager memoises its hashes by identity
+            tokens = self._tokens_of(request)
             if self.offload is not None and self.offload.hold(request, tokens):
                 heapq.heappop(self._waiting)  # parked until a tier has loaded its prefix
                 continue
@@ -284,6 +285,7 @@ class Scheduler:
             if not count:
                 break
             heapq.heappop(self._waiting)
+            self._head = None
             if self.offload is not None:
                 self.offload.on_admitted(request)
             self.running.append(request)
@@ -368,6 +370,14 @@ class Scheduler:
                 produced.append((request, tokens))
         return produced
 
+    def _tokens_of(self, request: Request) -> list[int]:
+        """`request.all_token_ids` as one list object while the request waits: the queue's head is tried
+        every step until it fits, and the KV manager memoises its hashes and hit by the list's identity
+        (a new, equal list costs a copy and a comparison of every token each step)."""
+        if self._head is None or self._head[0] is not request or len(self._head[1]) != request.num_tokens:
+            self._head = (request, request.all_token_ids)
+        return self._head[1]
+
     def _admit(self, request: Request, budget: int, cap: int, tokens: list[int]) -> int:
         """Reserve pages for all the request's tokens (`tokens`, its `all_token_ids`; cached prefix reused;
         window groups only for the first chunk), keeping a watermark. Returns the first chunk's token
@@ -377,13 +387,9 @@ class Scheduler:
         request.num_computed_tokens = hit
         count = self._chunk(request, min(len(tokens) - hit, budget, cap))
         reserved = hit + count
-        if not kv.can_allocate(tokens, request.cache_salt, num_reserved_tokens=reserved):
-            request.num_computed_tokens = 0
-            return 0
-        if self.running and kv.num_free_blocks - kv.new_units(len(tokens), hit) < self.watermark_blocks:
-            request.num_computed_tokens = 0
-            return 0
-        if not kv.allocate(request.request_id, tokens, request.cache_salt, num_reserved_tokens=reserved):
+        if not kv.can_allocate(tokens, request.cache_salt, num_reserved_tokens=reserved) or (
+                self.running and kv.num_free_blocks - kv.new_units(len(tokens), hit) < self.watermark_blocks) or (
+                not kv.allocate(request.request_id, tokens, request.cache_salt, num_reserved_tokens=reserved)):
             request.num_computed_tokens = 0
             return 0
         cached = kv.num_cached_tokens(request.request_id)

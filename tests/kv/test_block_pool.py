@@ -86,3 +86,18 @@ def test_lru_queue_compacts_and_stays_exact_over_many_cycles():
 def test_pool_needs_a_page_beside_the_null_page():
     with pytest.raises(InvalidRequestError, match="got 1"):
         BlockPool(1)
+
+
+def test_taking_one_page_takes_the_first_live_page_past_dead_queue_entries():
+    pool = BlockPool(40, eviction_order=LRUEvictionOrder())
+    order = pool.eviction_order
+    rng = np.random.default_rng(11)
+    for _ in range(500):
+        held = pool.allocate(int(rng.integers(1, 12)))
+        hit = rng.choice(np.flatnonzero(pool.ref_counts == 0), size=int(rng.integers(0, 12)), replace=False)
+        pool.touch(hit)  # hits kill queue entries in front of the victim (more than the 8 read one by one)
+        expected = order.live_pages_in_order()[0]
+        one = pool.allocate(1)
+        assert one.tolist() == [expected] and order.victim_positions().shape == (1,)
+        pool.release(np.concatenate([one, held, hit]))
+        pool.check_invariants()

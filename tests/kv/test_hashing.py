@@ -81,3 +81,11 @@ def test_memo_picks_the_longest_matching_sequence_among_sessions_with_one_system
     longer = np.concatenate([sessions[1], rng.integers(0, 1000, 32).astype(np.uint32)])
     assert memo.hashes(longer, root_hash()) == block_hashes(longer, 16)
     assert memo.blocks_hashed - before == 2
+
+
+def test_one_token_converts_like_many_and_out_of_range_is_rejected():
+    assert tokens_as_uint32([7]).tolist() == [7] and tokens_as_uint32([7]).dtype == np.dtype("<u4")
+    assert tokens_as_uint32([2**32 - 1]).tolist() == [2**32 - 1]
+    for bad in ([-1], [2**32], [True, 2**32], ["x"]):
+        with pytest.raises(InvalidRequestError):
+            tokens_as_uint32(bad)

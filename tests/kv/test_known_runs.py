@@ -68,3 +68,33 @@ def test_runs_are_kept_per_first_key_and_bounded():
     assert runs.known_prefix([bytes([3])] + b[1:], 8)[0] == []  # another first key
     runs.remember(a, list(range(11)), np.arange(11, dtype=np.int32))  # larger than the bound: not kept
     assert runs.known_prefix(a, 11)[0] == []
+
+
+def test_leading_cached_stops_at_the_first_missing_key_like_a_probe_per_key():
+    from agentjax.kv.groups import leading_cached
+
+    rng = np.random.default_rng(5)
+    keys = [bytes([i % 256, i // 256]) for i in range(300)]
+    for _ in range(200):
+        index = {key: page for page, key in enumerate(keys) if rng.random() < 0.97}
+        start = int(rng.integers(0, 300))
+        stop = int(rng.integers(start, 301))
+        expected = []
+        for key in keys[start:stop]:
+            if key not in index:
+                break
+            expected.append(index[key])
+        assert leading_cached(index, keys, start, stop) == expected
+
+
+def test_the_page_array_of_a_handed_out_run_equals_its_pages():
+    m = KVCacheManager.full_attention(num_blocks=64, block_size=4)
+    group = m.groups[0]
+    prompt = list(range(100, 148))
+    _turn(m, "t1", prompt, output=0)
+    keys = block_hashes(prompt, 4)
+    for limit in (12, 7, 12):  # read from the index, then from the last run, then from the known run
+        run = group.cached_run(list(keys), limit)
+        array = group.page_array(run)
+        assert array.dtype == np.int64 and array.tolist() == run == _index_run(group, keys)[:limit]
+    assert group.page_array(list(run)).tolist() == run  # any other list is converted

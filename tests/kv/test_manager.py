@@ -202,3 +202,31 @@ def test_from_model_config_groups_full_and_sliding_layers():
     m.cache_blocks("a", 30)
     assert m.block_ids("a")[0][:5] == [0] * 5
     assert m.lookup(list(range(31))) == 28
+
+
+def test_block_ids_hands_out_the_tables_and_never_edits_a_list_it_handed_out():
+    m = KVCacheManager.full_attention(num_blocks=32, block_size=4)
+    assert m.allocate("a", list(range(100, 108)))  # 2 pages
+    first = m.block_ids("a")
+    assert m.block_ids("a")[0] is first[0]  # a table that did not change: no copy
+    kept = [list(table) for table in first]
+    assert m.append("a", [1])  # a third page
+    assert first == kept and m.block_ids("a")[0][:2] == kept[0] and len(m.block_ids("a")[0]) == 3
+    assert m.reserve("a", 9, num_lookahead_tokens=8)  # pages for 8 draft positions after the 9 tokens
+    ahead = m.block_ids("a")
+    kept = [list(table) for table in ahead]
+    assert len(ahead[0]) == 5 and m.release_lookahead("a") == 2
+    assert ahead == kept and m.block_ids("a")[0] == kept[0][:3]
+    m.check_invariants()
+
+
+def test_a_sliding_window_drop_leaves_the_handed_out_table_as_it_was():
+    m = _hybrid()
+    assert m.allocate("a", list(range(40)))
+    m.cache_blocks("a", 16)
+    before = m.block_ids("a")
+    kept = [list(table) for table in before]
+    m.cache_blocks("a", 40)  # the window slides: pages before it become the null page in the table
+    assert before == kept
+    assert m.block_ids("a")[1][:8] == [0] * 8 and kept[1][:8] != [0] * 8
+    m.check_invariants()
