@@ -14,6 +14,11 @@ INTERVAL = 8
 FULL = FullAttentionSpec(num_kv_heads=1, head_dim=8, dtype_bytes=2)
 STATE = RecurrentStateSpec(bytes_per_state=128, checkpoint_interval=INTERVAL)
 
+# 48 pages of 4 tokens shared by both groups: a request of at most this many tokens (38 attention pages)
+# leaves room for its state pages, so decoding never runs out of pages (cached pages of other sessions
+# are evictable).
+MAX_SESSION_TOKENS = 150
+
 turns = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(1, 6), st.integers(1, 30)),
                  min_size=1, max_size=12)
 
@@ -26,6 +31,8 @@ def test_state_pages_per_request_and_in_the_cache_stay_within_the_policy_bound(p
     histories = {s: [] for s in range(4)}
     allowed_cached = 0
     for turn, (session, new_tokens, outputs, chunk) in enumerate(plan):
+        if len(histories[session]) + new_tokens + outputs > MAX_SESSION_TOKENS:
+            histories[session] = []  # a new session: this one would outgrow the pool
         prompt = histories[session] + [1000 * session + turn * 50 + i for i in range(new_tokens)]
         req = f"r{turn}"
         if not m.allocate(req, prompt):
