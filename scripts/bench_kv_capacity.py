@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -268,15 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     before = None
     if args.base_repo is not None:
-        out = REPO / ".bench_kv_capacity_before.json"
-        env = {**os.environ, "PYTHONPATH": str(args.base_repo.resolve())}
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json", str(out)], cwd=args.base_repo,
-                       env=env, check=True)
-        before = json.loads(out.read_text())
-        out.unlink()
-        commit = subprocess.run(["git", "-C", str(args.base_repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-        before["commit"] = commit or "unknown"
+        sys.path.insert(0, str(REPO / "scripts"))
+        from base_checkout import measure_at
+
+        before = measure_at(args.base_repo, __file__)
     after = measure()
     command = "python scripts/bench_kv_capacity.py" + (" --base-repo ../i34-base" if before else "")
     text = markdown(after, before, command)

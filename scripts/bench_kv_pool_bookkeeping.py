@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -208,15 +207,10 @@ def main(argv: list[str] | None = None) -> int:
               f"--live {args.live}", "--memories " + " ".join(f"{m:g}" for m in args.memories)]
     before = None
     if args.base_repo is not None:
-        out = REPO / ".bench_kv_pool_bookkeeping_before.json"
-        env = {**os.environ, "PYTHONPATH": str(args.base_repo.resolve())}
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json", str(out),
-                        *" ".join(passed).split()], cwd=args.base_repo, env=env, check=True)
-        before = json.loads(out.read_text())
-        out.unlink()
-        commit = subprocess.run(["git", "-C", str(args.base_repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-        before["commit"] = commit or "unknown"
+        sys.path.insert(0, str(REPO / "scripts"))
+        from base_checkout import measure_at
+
+        before = measure_at(args.base_repo, __file__, " ".join(passed).split())
     after = measure(args)
     command = "python scripts/bench_kv_pool_bookkeeping.py " + " ".join(passed) + (
         " --base-repo ../base" if before else "")
