@@ -208,6 +208,12 @@ class LayerKV:
         dense = jnp.where(padding, self._dense_pages(role)[1].shape[0] - 1, dense)
         return dense * size + slots % size
 
+    def token_fields(self, role: str) -> dict:
+        """The per-token fields an op that writes the role's rows takes: each token's row, position and
+        destination slot."""
+        return dict(token_seq_ids=self.batch.seq_ids, token_positions=self.batch.positions,
+                    slot_mapping=self.slot_mapping(role))
+
     def store(self, role: str, pages: jax.Array) -> None:
         """Put back the op's updated buffer."""
         kind = self.kinds[role]

@@ -16,12 +16,13 @@ from agentjax import kernels
 from agentjax.config import ModelConfig
 from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies, yarn_attention_factor
+from agentjax.models.mixer import PagedMixer
 
 if TYPE_CHECKING:
     from agentjax.ragged_batch import RaggedBatch
 
 
-class Attention(nnx.Module):
+class Attention(PagedMixer):
     """One layer's GQA attention; `layer` fixes its window, RoPE base and scaling."""
 
     def __init__(self, cfg: ModelConfig, layer: int, kv_groups: dict[str, int], *, rngs: nnx.Rngs):
@@ -56,17 +57,9 @@ class Attention(nnx.Module):
         scale = yarn_attention_factor(self.rope_scaling)
         return (apply_rope(q, batch.positions, inv_freq, scale), apply_rope(k, batch.positions, inv_freq, scale), v)
 
-    def __call__(
-        self,
-        x: Float[Array, "tokens hidden"],
-        kv: tuple,
-        batch: RaggedBatch,
-        numerics: str,
-        slots: dict[str, Array],
-    ) -> tuple[Float[Array, "tokens hidden"], tuple]:
-        tokens = x.shape[0]
+    def mix(self, x: Float[Array, "tokens hidden"], paged: LayerKV, numerics: str) -> Float[Array, "tokens hidden"]:
+        tokens, batch = x.shape[0], paged.batch
         q, k, v = self.project(x, batch, numerics)
-        paged = LayerKV(kv, batch, slots, self.kv_kinds)
         out, pages = kernels.ragged_paged_attention(
             q,
             k,
@@ -76,9 +69,7 @@ class Attention(nnx.Module):
             paged.table("kv"),
             batch.cu_q_lens,
             layer=paged.layer("kv"),
-            token_seq_ids=batch.seq_ids,
-            token_positions=batch.positions,
-            slot_mapping=paged.slot_mapping("kv"),
+            **paged.token_fields("kv"),
             sm_scale=self.sm_scale,
             sliding_window=self.sliding_window,
             batch_invariant=numerics == "batch_invariant",
@@ -86,4 +77,4 @@ class Attention(nnx.Module):
             fp8_kv=self.fp8_kv,
         )
         paged.store("kv", pages)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), paged.kv
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics)

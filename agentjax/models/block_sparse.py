@@ -18,12 +18,13 @@ from agentjax import kernels
 from agentjax.config import ModelConfig
 from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies, yarn_attention_factor
+from agentjax.models.mixer import PagedMixer
 
 if TYPE_CHECKING:
     from agentjax.ragged_batch import RaggedBatch
 
 
-class BlockSparseAttention(nnx.Module):
+class BlockSparseAttention(PagedMixer):
     """One block-sparse layer. Its settings come from `cfg` alone (equal for every sparse layer), so
     `layer` may also name a layer outside the stack (an MTP module's)."""
 
@@ -74,27 +75,17 @@ class BlockSparseAttention(nnx.Module):
 
         return rope(q), rope(k), v, rope(index_q), rope(index_k)[:, 0]
 
-    def __call__(
-        self,
-        x: Float[Array, "tokens hidden"],
-        kv: tuple,
-        batch: RaggedBatch,
-        numerics: str,
-        slots: dict[str, Array],
-    ) -> tuple[Float[Array, "tokens hidden"], tuple]:
-        tokens = x.shape[0]
+    def mix(self, x: Float[Array, "tokens hidden"], paged: LayerKV, numerics: str) -> Float[Array, "tokens hidden"]:
+        tokens, batch = x.shape[0], paged.batch
         q, k, v, index_q, index_k = self.project(x, batch, numerics)
         invariant = numerics == "batch_invariant"
-        paged = LayerKV(kv, batch, slots, self.kv_kinds)
         selected, index_pages = kernels.index_select_blocks(
             index_q,
             index_k,
             paged.pages("index"),
             paged.table("index"),
             slot=paged.layer("index"),
-            token_seq_ids=batch.seq_ids,
-            token_positions=batch.positions,
-            slot_mapping=paged.slot_mapping("index"),
+            **paged.token_fields("index"),
             block_size=self.block_size,
             topk_blocks=self.topk_blocks,
             local_blocks=self.local_blocks,
@@ -112,9 +103,7 @@ class BlockSparseAttention(nnx.Module):
             paged.table("kv"),
             selected,
             slot=paged.layer("kv"),
-            token_seq_ids=batch.seq_ids,
-            token_positions=batch.positions,
-            slot_mapping=paged.slot_mapping("kv"),
+            **paged.token_fields("kv"),
             sm_scale=self.sm_scale,
             block_size=self.block_size,
             batch_invariant=invariant,
@@ -122,5 +111,4 @@ class BlockSparseAttention(nnx.Module):
             fp8_kv=self.fp8_kv,
         )
         paged.store("kv", pages)
-        kv = paged.kv
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics), kv
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), numerics)

@@ -26,6 +26,7 @@ from agentjax.config import ModelConfig, RopeScaling
 from agentjax.errors import InvalidRequestError
 from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm, _init, rope_inverse_frequencies, yarn_attention_factor
+from agentjax.models.mixer import PagedMixer
 from agentjax.numerics import map_row_blocks
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ class GroupedLinear(nnx.Module):
         return jnp.einsum("tgi,gio->tgo", x, self.kernel[...]).reshape(x.shape[0], -1)
 
 
-class DeepseekV4Attention(nnx.Module):
+class DeepseekV4Attention(PagedMixer):
     """One DeepSeek-V4 layer of kind `layer_type` ("swa_mqa", "csa" or "hca"). Every setting comes
     from `cfg` and the kind, so `layer` may name a layer outside the stack (an MTP module's)."""
 
@@ -177,21 +178,19 @@ class DeepseekV4Attention(nnx.Module):
         self.compress_rope = compress_rope
         self.num_heads, self.head_dim, self.groups, self.eps = heads, dim, groups, eps
         self.window, self.impl = cfg.sliding_window, cfg.attention_impl
-        self.kv_groups = dict(kv_groups)
+        self.kv_kinds = dict(kv_groups)
 
-    def __call__(self, x: Float[Array, "tokens hidden"], kv: tuple, batch: RaggedBatch, numerics: str,
-                 slots: dict[str, Array]) -> tuple[Float[Array, "tokens hidden"], tuple]:
-        groups, impl, invariant = self.kv_groups, self.impl, numerics == "batch_invariant"
+    def mix(self, x: Float[Array, "tokens hidden"], paged: LayerKV, numerics: str) -> Float[Array, "tokens hidden"]:
+        groups, impl, invariant = self.kv_kinds, self.impl, numerics == "batch_invariant"
         if any(group < 0 for group in groups.values()):
             raise InvalidRequestError(f"this {self.layer_type} layer has no KV group ({groups}); it cannot run")
         tokens, heads, dim = x.shape[0], self.num_heads, self.head_dim
-        positions = batch.positions
+        batch, positions = paged.batch, paged.batch.positions
         q_residual = self.q_a_norm(self.q_a_proj(x, numerics), numerics)
         q = self.q_b_proj(q_residual, numerics).reshape(tokens, heads, dim)
         row = self.kv_norm(self.kv_proj(x, numerics), numerics)[:, None]
         q, row = _per_token(lambda q, row, p: (self.rope(_unweighted_rms(q, self.eps), p), self.rope(row, p)[:, 0]),
                             numerics, q, row, positions)
-        paged = LayerKV(kv, batch, slots, groups)
         paged.store("window", kernels.dsv4_write_rows(
             paged.pages("window"), paged.layer("window"), row, paged.slot_mapping("window"), impl=impl))
         entries = {}
@@ -210,7 +209,7 @@ class DeepseekV4Attention(nnx.Module):
             out = self.rope(out, positions, inverse=True)
             return self.o_a_proj(out.reshape(out.shape[0], self.groups, -1))
 
-        return self.o_b_proj(_per_token(project, numerics, out, positions), numerics), paged.kv
+        return self.o_b_proj(_per_token(project, numerics, out, positions), numerics)
 
     def _select(self, x: Array, q_residual: Array, paged: LayerKV, batch: RaggedBatch,
                 numerics: str) -> Int[Array, "tokens topk"]:

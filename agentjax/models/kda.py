@@ -29,6 +29,7 @@ from agentjax.config import ModelConfig
 from agentjax.errors import InvalidRequestError
 from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm
+from agentjax.models.mixer import PagedMixer
 
 if TYPE_CHECKING:
     from agentjax.ragged_batch import RaggedBatch
@@ -53,7 +54,7 @@ def _forget_gate_init(rngs: nnx.Rngs, num_heads: int, width: int, dtype: str) ->
     return jnp.log(a).astype(dtype), (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
 
-class KimiDeltaAttention(nnx.Module):
+class KimiDeltaAttention(PagedMixer):
     """One KDA layer over the paged state; `kv_groups["state"]` is its state kind."""
 
     def __init__(self, cfg: ModelConfig, layer: int, kv_groups: dict[str, int], *, rngs: nnx.Rngs):
@@ -101,21 +102,13 @@ class KimiDeltaAttention(nnx.Module):
         softplus = jnp.where(z > SOFTPLUS_THRESHOLD, z, jnp.log(1.0 + jnp.exp(z)))
         return -decay_rate * softplus, beta
 
-    def __call__(
-        self,
-        x: Float[Array, "tokens hidden"],
-        kv: tuple,
-        batch: RaggedBatch,
-        numerics: str,
-        slots: dict[str, Array],
-    ) -> tuple[Float[Array, "tokens hidden"], tuple]:
-        tokens, width = x.shape[0], self.num_heads * self.head_dim
+    def mix(self, x: Float[Array, "tokens hidden"], paged: LayerKV, numerics: str) -> Float[Array, "tokens hidden"]:
+        tokens, width, batch = x.shape[0], self.num_heads * self.head_dim, paged.batch
         mixed = jnp.concatenate([self.q_proj(x, numerics), self.k_proj(x, numerics), self.v_proj(x, numerics)], -1)
         conv_weight = jnp.concatenate(
             [conv.weight[...].reshape(width, self.conv_kernel_size) for conv in (self.q_conv1d, self.k_conv1d,
                                                                                   self.v_conv1d)], 0)
         g, beta = self.gates(x, numerics)
-        paged = LayerKV(kv, batch, slots, self.kv_kinds)
         state_pages, table = paged.pages("state"), paged.table("state")
         draft_states = _draft_state_pages(batch, table, state_pages.shape[1])
         out, pages = kernels.kimi_delta_attention(
@@ -141,7 +134,7 @@ class KimiDeltaAttention(nnx.Module):
         # transformers' gated RMSNorm: all in float32 (`out` is float32, so the norm stays float32).
         out = self.o_norm(out, numerics) * jax.nn.sigmoid(gate.astype(jnp.float32))
         paged.store("state", pages)
-        return self.o_proj(out.reshape(tokens, width).astype(x.dtype), numerics), paged.kv
+        return self.o_proj(out.reshape(tokens, width).astype(x.dtype), numerics)
 
 
 def _draft_state_pages(batch: RaggedBatch, table: Array, num_pages: int) -> tuple[Array, Array, Array]:

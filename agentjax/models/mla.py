@@ -23,6 +23,7 @@ from agentjax.config import ModelConfig
 from agentjax.errors import UnsupportedModelError
 from agentjax.kv_buffers import LayerKV
 from agentjax.models.layers import Linear, RMSNorm, map_row_blocks
+from agentjax.models.mixer import PagedMixer
 
 if TYPE_CHECKING:
     from agentjax.ragged_batch import RaggedBatch
@@ -33,7 +34,7 @@ def _per_token(fn, numerics: str, *arrays: Array) -> Array:
     return map_row_blocks(fn, *arrays) if numerics == "batch_invariant" else fn(*arrays)
 
 
-class MLAAttention(nnx.Module):
+class MLAAttention(PagedMixer):
     """One layer's MLA. Parameters keep transformers' Kimi names (`q_proj` or `q_a_proj`,
     `q_a_layernorm`, `q_b_proj`; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`; `g_proj` for
     the K3 output gate; `o_proj`), kernels stored [in, out]."""
@@ -83,14 +84,7 @@ class MLAAttention(nnx.Module):
                                                     mla.qk_nope_head_dim + mla.v_head_dim)
         return kernel[..., :mla.qk_nope_head_dim], kernel[..., mla.qk_nope_head_dim:]
 
-    def __call__(
-        self,
-        x: Float[Array, "tokens hidden"],
-        kv: tuple,
-        batch: RaggedBatch,
-        numerics: str,
-        slots: dict[str, Array],
-    ) -> tuple[Float[Array, "tokens hidden"], tuple]:
+    def mix(self, x: Float[Array, "tokens hidden"], paged: LayerKV, numerics: str) -> Float[Array, "tokens hidden"]:
         mla, tokens = self.mla, x.shape[0]
         q = self.queries(x, numerics)
         w_uk, w_uv = self.up_projections()
@@ -99,18 +93,15 @@ class MLAAttention(nnx.Module):
             q_latent = jnp.einsum("thn,rhn->thr", q_rows[..., :mla.qk_nope_head_dim], w_uk)
             return jnp.concatenate([q_latent, q_rows[..., mla.qk_nope_head_dim:]], axis=-1)
 
-        paged = LayerKV(kv, batch, slots, self.kv_kinds)
         out_latent, pages = kernels.mla_paged_attention(
             _per_token(absorb, numerics, q),
             self.latent_rows(x, numerics),
             paged.pages("latent"),
             paged.table("latent"),
             layer=paged.layer("latent"),
-            token_seq_ids=batch.seq_ids,
-            token_positions=batch.positions,
-            slot_mapping=paged.slot_mapping("latent"),
-            kv_lens=batch.kv_lens,
-            cu_q_lens=batch.cu_q_lens,
+            **paged.token_fields("latent"),
+            kv_lens=paged.batch.kv_lens,
+            cu_q_lens=paged.batch.cu_q_lens,
             value_dim=mla.kv_lora_rank,
             sm_scale=self.sm_scale,
             batch_invariant=numerics == "batch_invariant",
@@ -122,4 +113,4 @@ class MLAAttention(nnx.Module):
             gate = self.g_proj(x, numerics).reshape(tokens, self.num_heads, mla.v_head_dim)
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         paged.store("latent", pages)
-        return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim), numerics), paged.kv
+        return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim), numerics)
