@@ -22,20 +22,37 @@ if TYPE_CHECKING:
     from agentjax.ragged_batch import RaggedBatch
 
 
+def init_gqa_projections(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    """Give `module` the GQA projections `q_proj`, `k_proj`, `v_proj`, `o_proj` and, where the config asks,
+    the per-head `q_norm` and `k_norm` (the checkpoint names of every GQA layer)."""
+    hidden, dim = cfg.hidden_size, cfg.head_dim
+    module.q_proj = Linear(hidden, cfg.num_heads * dim, dtype=cfg.dtype, rngs=rngs)
+    module.k_proj = Linear(hidden, cfg.num_kv_heads * dim, dtype=cfg.dtype, rngs=rngs)
+    module.v_proj = Linear(hidden, cfg.num_kv_heads * dim, dtype=cfg.dtype, rngs=rngs)
+    module.o_proj = Linear(cfg.num_heads * dim, hidden, dtype=cfg.dtype, rngs=rngs)
+    if cfg.use_qk_norm:
+        module.q_norm = RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+        module.k_norm = RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+    module.use_qk_norm = cfg.use_qk_norm
+    module.num_heads, module.num_kv_heads, module.head_dim = cfg.num_heads, cfg.num_kv_heads, dim
+
+
+def gqa_qkv(module: nnx.Module, x: Float[Array, "tokens hidden"], numerics: str) -> tuple[Array, Array, Array]:
+    """Q, K and V `[tokens, heads, dim]` of a module set up by `init_gqa_projections`, normed, not rotated."""
+    tokens = x.shape[0]
+    q = module.q_proj(x, numerics).reshape(tokens, module.num_heads, module.head_dim)
+    k = module.k_proj(x, numerics).reshape(tokens, module.num_kv_heads, module.head_dim)
+    v = module.v_proj(x, numerics).reshape(tokens, module.num_kv_heads, module.head_dim)
+    if module.use_qk_norm:
+        q, k = module.q_norm(q, numerics), module.k_norm(k, numerics)
+    return q, k, v
+
+
 class Attention(PagedMixer):
     """One layer's GQA attention; `layer` fixes its window, RoPE base and scaling."""
 
     def __init__(self, cfg: ModelConfig, layer: int, kv_groups: dict[str, int], *, rngs: nnx.Rngs):
-        hidden, dim = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(hidden, cfg.num_heads * dim, dtype=cfg.dtype, rngs=rngs)
-        self.k_proj = Linear(hidden, cfg.num_kv_heads * dim, dtype=cfg.dtype, rngs=rngs)
-        self.v_proj = Linear(hidden, cfg.num_kv_heads * dim, dtype=cfg.dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_heads * dim, hidden, dtype=cfg.dtype, rngs=rngs)
-        if cfg.use_qk_norm:
-            self.q_norm = RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-            self.k_norm = RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-        self.use_qk_norm = cfg.use_qk_norm
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, dim
+        init_gqa_projections(self, cfg, rngs)
         self.rope_dim = cfg.rope_dim
         self.sliding_window = cfg.layer_window(layer)
         self.rope_theta = cfg.layer_rope_theta(layer)
@@ -47,12 +64,7 @@ class Attention(PagedMixer):
 
     def project(self, x: Float[Array, "tokens hidden"], batch: RaggedBatch, numerics: str):
         """Q, K and V of the batch's tokens, normed and rotated: `[tokens, heads, dim]` each."""
-        tokens = x.shape[0]
-        q = self.q_proj(x, numerics).reshape(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.use_qk_norm:
-            q, k = self.q_norm(q, numerics), self.k_norm(k, numerics)
+        q, k, v = gqa_qkv(self, x, numerics)
         inv_freq = rope_inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling)
         scale = yarn_attention_factor(self.rope_scaling)
         return (apply_rope(q, batch.positions, inv_freq, scale), apply_rope(k, batch.positions, inv_freq, scale), v)

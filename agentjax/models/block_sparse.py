@@ -17,6 +17,7 @@ from jaxtyping import Array, Float
 from agentjax import kernels
 from agentjax.config import ModelConfig
 from agentjax.kv_buffers import LayerKV
+from agentjax.models.attention import gqa_qkv, init_gqa_projections
 from agentjax.models.layers import Linear, RMSNorm, apply_rope, rope_inverse_frequencies, yarn_attention_factor
 from agentjax.models.mixer import PagedMixer
 
@@ -31,21 +32,13 @@ class BlockSparseAttention(PagedMixer):
     def __init__(self, cfg: ModelConfig, layer: int, kv_groups: dict[str, int], *, rngs: nnx.Rngs):
         del layer  # every block-sparse layer is alike
         sparse = cfg.block_sparse
-        hidden, dim = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(hidden, cfg.num_heads * dim, dtype=cfg.dtype, rngs=rngs)
-        self.k_proj = Linear(hidden, cfg.num_kv_heads * dim, dtype=cfg.dtype, rngs=rngs)
-        self.v_proj = Linear(hidden, cfg.num_kv_heads * dim, dtype=cfg.dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_heads * dim, hidden, dtype=cfg.dtype, rngs=rngs)
-        if cfg.use_qk_norm:
-            self.q_norm = RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-            self.k_norm = RMSNorm(dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+        hidden = cfg.hidden_size
+        init_gqa_projections(self, cfg, rngs)
         index_dim = sparse.index_head_dim
         self.index_q_proj = Linear(hidden, sparse.index_num_heads * index_dim, dtype=cfg.dtype, rngs=rngs)
         self.index_k_proj = Linear(hidden, index_dim, dtype=cfg.dtype, rngs=rngs)
         self.index_q_norm = RMSNorm(index_dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
         self.index_k_norm = RMSNorm(index_dim, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-        self.use_qk_norm = cfg.use_qk_norm
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, dim
         self.index_num_heads, self.index_head_dim = sparse.index_num_heads, index_dim
         self.block_size, self.topk_blocks = sparse.block_size, sparse.topk_blocks
         self.local_blocks = sparse.local_blocks
@@ -59,11 +52,7 @@ class BlockSparseAttention(PagedMixer):
         """Q, K, V `[tokens, heads, dim]` and the indexer's queries `[tokens, index_heads, index_dim]`
         and keys `[tokens, index_dim]`, normed and rotated."""
         tokens = x.shape[0]
-        q = self.q_proj(x, numerics).reshape(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, numerics).reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.use_qk_norm:
-            q, k = self.q_norm(q, numerics), self.k_norm(k, numerics)
+        q, k, v = gqa_qkv(self, x, numerics)
         index_q = self.index_q_proj(x, numerics).reshape(tokens, self.index_num_heads, self.index_head_dim)
         index_q = self.index_q_norm(index_q, numerics)
         index_k = self.index_k_norm(self.index_k_proj(x, numerics), numerics)[:, None, :]
