@@ -53,6 +53,18 @@ def kv_cache_bytes(kv_pages) -> int:
 COPY_BUCKETS = (4, 16, 64, 256)
 
 
+def padded_page_copies(copies: Sequence[tuple[int, int, int]]):
+    """`(group, sources, destinations)` per page group of `(group, src, dst)` copies, in group order, each
+    group's copies in the order given, padded with page 0 -> 0 copies to a `COPY_BUCKETS` size."""
+    for group in sorted({c[0] for c in copies}):
+        pairs = [(src, dst) for g, src, dst in copies if g == group]
+        size = bucket(len(pairs), COPY_BUCKETS)
+        sources = np.zeros(size, np.int32)
+        destinations = np.zeros(size, np.int32)
+        sources[:len(pairs)], destinations[:len(pairs)] = zip(*pairs)
+        yield group, sources, destinations
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def copy_pages(buffer: jax.Array, sources: jax.Array, destinations: jax.Array) -> jax.Array:
     """`buffer[:, destinations[i]] = buffer[:, sources[i]]` for each i in order (a later copy may
@@ -268,12 +280,7 @@ class ModelRunner:
         """Run page copies group by group, each group's in the order given."""
         pooled = isinstance(self.kv_pages, KVPool)
         buffers = self.kv_pages if pooled else list(self.kv_pages)
-        for group in sorted({c[0] for c in copies}):
-            pairs = [(src, dst) for g, src, dst in copies if g == group]
-            size = bucket(len(pairs), COPY_BUCKETS)
-            sources = np.zeros(size, np.int32)
-            destinations = np.zeros(size, np.int32)
-            sources[:len(pairs)], destinations[:len(pairs)] = zip(*pairs)
+        for group, sources, destinations in padded_page_copies(copies):
             if pooled:
                 buffers = copy_pool_pages(buffers, sources, destinations, group=group)
             else:

@@ -23,7 +23,7 @@ from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool
 from agentjax.ragged_batch import RaggedBatch, bucket
 from agentjax.runner.compilation_cache import enable_compilation_cache
-from agentjax.runner.model_runner import COPY_BUCKETS, ModelRunner
+from agentjax.runner.model_runner import ModelRunner, padded_page_copies
 from agentjax.runner.sampler import SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -148,12 +148,7 @@ class ShardedModelRunner(ModelRunner):
         """Page copies (see `ModelRunner.copy_pages`) on the devices of data rank `rank`."""
         pooled = isinstance(self.kv_pages, KVPool)
         buffers = self.kv_pages if pooled else list(self.kv_pages)
-        for group in sorted({c[0] for c in copies}):
-            pairs = [(src, dst) for g, src, dst in copies if g == group]
-            size = bucket(len(pairs), COPY_BUCKETS)
-            sources = np.zeros(size, np.int32)
-            destinations = np.zeros(size, np.int32)
-            sources[:len(pairs)], destinations[:len(pairs)] = zip(*pairs)
+        for group, sources, destinations in padded_page_copies(copies):
             on_devices = _data_rank_of_devices(self.parallel) == rank
             arrays = tuple(self._global(a, None) for a in (sources, destinations, on_devices))
             if pooled:
