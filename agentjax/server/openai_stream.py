@@ -7,20 +7,13 @@ A failure mid-stream ends it with an error event, then `[DONE]`. Never imports j
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from agentjax.server.chat_path import (
-    ChatRun,
-    Finished,
-    LogprobsDelta,
-    PromptLogprobs,
-    TextDelta,
-    ToolCallArguments,
-    ToolCallStarted,
-    merged_events,
-)
+from agentjax.server.chat_run import (ChatRun, Finished, LogprobsDelta, PromptLogprobs, TextDelta, ToolCallArguments,
+                                      ToolCallStarted, merged_events)
 from agentjax.server.errors import APIError
 from agentjax.server.openai_logprobs import CompletionLogprobs, TokenTexts, chat_logprobs, prompt_logprobs_json
 from agentjax.server.protocol import ErrorInfo
@@ -70,6 +63,20 @@ class _Stream:
                     "usage": usage_of(first.prompt_tokens, sum(f.completion_tokens for f in finished),
                                       first.cached_tokens)})
 
+    async def framed(self, chunks: AsyncIterator[str], finished: dict[int, Finished]) -> AsyncIterator[str]:
+        """`chunks`, then the usage chunk of the samples `finished` (filled as `chunks` runs) and `[DONE]`;
+        an `APIError` mid-stream ends it with an error event, then `[DONE]`."""
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+            if self.include_usage:
+                yield self.usage_chunk([finished[i] for i in sorted(finished)])
+            self.on_finish()
+        except APIError as exc:
+            yield sse({"error": error_info(exc)})
+        yield DONE
+
 
 class ChatStream(_Stream):
     object_name = "chat.completion.chunk"
@@ -83,33 +90,31 @@ class ChatStream(_Stream):
         for index in range(len(runs)):
             yield self.chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                               "logprobs": None})
-        pending: dict[int, list] = {}
         finished: dict[int, Finished] = {}
-        try:
-            async for index, event in merged_events(runs):
-                if isinstance(event, LogprobsDelta):
-                    pending.setdefault(index, []).extend(event.entries)
-                elif isinstance(event, TextDelta):
-                    yield self.chunk(self._choice(index, {"content": event.text}, pending))
-                elif isinstance(event, ToolCallStarted):
-                    call = {"index": event.index, "id": event.id, "type": "function",
-                            "function": {"name": event.name, "arguments": ""}}
-                    yield self.chunk(self._choice(index, {"tool_calls": [call]}, pending))
-                elif isinstance(event, ToolCallArguments):
-                    call = {"index": event.index, "function": {"arguments": event.text}}
-                    yield self.chunk(self._choice(index, {"tool_calls": [call]}, pending))
-                elif isinstance(event, Finished):
-                    finished[index] = event
-                    top = {}
-                    if report_prompt_logprobs and index == 0:
-                        top["prompt_logprobs"] = prompt_logprobs_json(event.prompt_logprobs, self.texts)
-                    yield self.chunk(self._choice(index, {}, pending, event.finish_reason), **top)
-            if self.include_usage:
-                yield self.usage_chunk([finished[i] for i in sorted(finished)])
-            self.on_finish()
-        except APIError as exc:
-            yield sse({"error": error_info(exc)})
-        yield DONE
+        async for chunk in self.framed(self._chunks(runs, report_prompt_logprobs, finished), finished):
+            yield chunk
+
+    async def _chunks(self, runs: Sequence[ChatRun], report_prompt_logprobs: bool,
+                      finished: dict[int, Finished]) -> AsyncIterator[str]:
+        pending: dict[int, list] = {}
+        async for index, event in merged_events(runs):
+            if isinstance(event, LogprobsDelta):
+                pending.setdefault(index, []).extend(event.entries)
+            elif isinstance(event, TextDelta):
+                yield self.chunk(self._choice(index, {"content": event.text}, pending))
+            elif isinstance(event, ToolCallStarted):
+                call = {"index": event.index, "id": event.id, "type": "function",
+                        "function": {"name": event.name, "arguments": ""}}
+                yield self.chunk(self._choice(index, {"tool_calls": [call]}, pending))
+            elif isinstance(event, ToolCallArguments):
+                call = {"index": event.index, "function": {"arguments": event.text}}
+                yield self.chunk(self._choice(index, {"tool_calls": [call]}, pending))
+            elif isinstance(event, Finished):
+                finished[index] = event
+                top = {}
+                if report_prompt_logprobs and index == 0:
+                    top["prompt_logprobs"] = prompt_logprobs_json(event.prompt_logprobs, self.texts)
+                yield self.chunk(self._choice(index, {}, pending, event.finish_reason), **top)
 
 
 class CompletionStream(_Stream):
@@ -119,9 +124,15 @@ class CompletionStream(_Stream):
                      report_prompt_logprobs: bool) -> AsyncIterator[str]:
         """`echo` (the prompt's text) opens each choice; with `logprobs` it waits for the prompt's log
         probabilities, which come with the first generated token."""
+        finished: dict[int, Finished] = {}
+        chunks = self._chunks(runs, prompt, echo, logprobs, report_prompt_logprobs, finished)
+        async for chunk in self.framed(chunks, finished):
+            yield chunk
+
+    async def _chunks(self, runs: Sequence[ChatRun], prompt: Sequence[int], echo: str, logprobs: bool,
+                      report_prompt_logprobs: bool, finished: dict[int, Finished]) -> AsyncIterator[str]:
         builders = {index: CompletionLogprobs(self.texts) for index in range(len(runs))}
         pending: dict[int, list] = {}
-        finished: dict[int, Finished] = {}
         echo_waits = bool(echo) and logprobs
 
         def choice(index: int, text: str, finish_reason: str | None = None, **extra: object) -> dict:
@@ -133,25 +144,18 @@ class CompletionStream(_Stream):
         if echo and not echo_waits:
             for index in range(len(runs)):
                 yield self.chunk(choice(index, echo))
-        try:
-            async for index, event in merged_events(runs):
-                if isinstance(event, PromptLogprobs):  # the first sample's, before any other sample's tokens
-                    extra = {"prompt_logprobs": prompt_logprobs_json(event.entries, self.texts)} \
-                        if report_prompt_logprobs else {}
-                    for each in range(len(runs)) if echo_waits else ([index] if extra else []):
-                        echoed = builders[each].chunk(event.entries, prompt) if echo_waits else None
-                        yield self.chunk({"index": each, "text": echo if echo_waits else "", "finish_reason": None,
-                                          "logprobs": echoed, **extra})
-                elif isinstance(event, LogprobsDelta):
-                    pending.setdefault(index, []).extend(event.entries)
-                elif isinstance(event, TextDelta):
-                    yield self.chunk(choice(index, event.text))
-                elif isinstance(event, Finished):
-                    finished[index] = event
-                    yield self.chunk(choice(index, "", event.finish_reason))
-            if self.include_usage:
-                yield self.usage_chunk([finished[i] for i in sorted(finished)])
-            self.on_finish()
-        except APIError as exc:
-            yield sse({"error": error_info(exc)})
-        yield DONE
+        async for index, event in merged_events(runs):
+            if isinstance(event, PromptLogprobs):  # the first sample's, before any other sample's tokens
+                extra = {"prompt_logprobs": prompt_logprobs_json(event.entries, self.texts)} \
+                    if report_prompt_logprobs else {}
+                for each in range(len(runs)) if echo_waits else ([index] if extra else []):
+                    echoed = builders[each].chunk(event.entries, prompt) if echo_waits else None
+                    yield self.chunk({"index": each, "text": echo if echo_waits else "", "finish_reason": None,
+                                      "logprobs": echoed, **extra})
+            elif isinstance(event, LogprobsDelta):
+                pending.setdefault(index, []).extend(event.entries)
+            elif isinstance(event, TextDelta):
+                yield self.chunk(choice(index, event.text))
+            elif isinstance(event, Finished):
+                finished[index] = event
+                yield self.chunk(choice(index, "", event.finish_reason))
