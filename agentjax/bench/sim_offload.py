@@ -86,37 +86,8 @@ class IndexOnlyDiskTier(DiskTier):
         self.used_bytes = 0
         self.evictions = 0
 
-    def record(self, key: TierKey, size: int, score: float = 0.0) -> None:
-        """A page reached the disk (what `DiskTier.write` does to the index once the file is written)."""
-        old = self._index.pop(key, None)
-        self.used_bytes += size - (old or 0)
-        self._index[key] = size
-        if self._order is not None:
-            self._order.add(key, score)
-        self._evict_to(self.capacity_bytes)
-
-    def touch(self, key: TierKey) -> None:
-        """A page was read (`DiskTier.read` without the file)."""
-        if key in self._index:
-            self._index.move_to_end(key)
-            if self._order is not None:
-                self._order.touch(key)
-
-    def _evict_to(self, limit: int) -> None:
-        while self._index and self.used_bytes > limit:
-            if self._order is None:
-                _, size = self._index.popitem(last=False)
-            else:
-                size = self._index.pop(self._order.pop())
-            self.used_bytes -= size
-            self.evictions += 1
-
-    def drop(self, key: TierKey) -> None:
-        size = self._index.pop(key, None)
-        if size is not None:
-            self.used_bytes -= size
-            if self._order is not None:
-                self._order.remove(key)
+    def _delete_file(self, key: TierKey) -> None:
+        """No file stands behind a page."""
 
     def write(self, key, payload, score: float = 0.0) -> None:
         raise InvalidRequestError("the simulated disk tier holds no page contents; record() its pages")

@@ -119,7 +119,10 @@ class DiskTier:
                 size = self._index.pop(key)
             self.used_bytes -= size
             self.evictions += 1
-            _unlink_quietly(self._path(key))
+            self._delete_file(key)
+
+    def _delete_file(self, key: TierKey) -> None:
+        _unlink_quietly(self._path(key))
 
     def drop(self, key: TierKey) -> None:
         with self._lock:
@@ -128,7 +131,25 @@ class DiskTier:
                 self.used_bytes -= size
             if self._order is not None:
                 self._order.remove(key)
-        _unlink_quietly(self._path(key))
+        self._delete_file(key)
+
+    def record(self, key: TierKey, size: int, score: float = 0.0) -> None:
+        """Index a page whose file is written (`size` bytes), then evict down to the size cap."""
+        with self._lock:
+            old = self._index.pop(key, None)
+            self.used_bytes += size - (old or 0)
+            self._index[key] = size
+            if self._order is not None:
+                self._order.add(key, score)
+            self._evict_to(self.capacity_bytes)
+
+    def touch(self, key: TierKey) -> None:
+        """A page was read: the most recently used."""
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                if self._order is not None:
+                    self._order.touch(key)
 
     # -- pages -----------------------------------------------------------------------------------
     def write(self, key: TierKey, payload: bytes | memoryview, score: float = 0.0) -> None:
@@ -153,13 +174,7 @@ class DiskTier:
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(error.errno, f"no space for a KV page under {self.directory}") from error
             raise
-        with self._lock:
-            old = self._index.pop(key, None)
-            self.used_bytes += size - (old or 0)
-            self._index[key] = size
-            if self._order is not None:
-                self._order.add(key, score)
-            self._evict_to(self.capacity_bytes)
+        self.record(key, size, score)
 
     def read(self, key: TierKey, expected_bytes: int) -> memoryview:
         """The page's payload. Raises KeyError if the tier does not hold it, `CorruptCheckpointError`
@@ -175,11 +190,7 @@ class DiskTier:
         if problem is not None:
             self.drop(key)
             raise CorruptCheckpointError(f"disk KV page {path.name} of group {key[0]}: {problem}; deleted")
-        with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-                if self._order is not None:
-                    self._order.touch(key)
+        self.touch(key)
         return memoryview(data)[HEADER.size:]
 
     @staticmethod
