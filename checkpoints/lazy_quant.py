@@ -17,7 +17,7 @@ import numpy as np
 from agentjax.errors import UnsupportedModelError
 from checkpoints import quant_codecs
 from checkpoints.lazy_tensors import (
-    _HANDLERS, Index, Joined, Lazy, Materialized, _plain, full_index, normalize, region_shape,
+    _HANDLERS, Index, Joined, Lazy, Materialized, Shaped, _plain, full_index, normalize, region_shape, transpose_axes,
 )
 from checkpoints.quant_codecs import Codec
 
@@ -26,7 +26,7 @@ class BlockAlignmentError(ValueError):
     """A region or a join does not fall on the scale blocks of a quantised tensor."""
 
 
-class LazyQuant:
+class LazyQuant(Shaped):
     """`values`, `scales` (None: float storage) and `global_scale` (shape `leading + (1, 1)`) recipes of a
     matrix (or a stack of them on leading axes) whose logical values are float32 of `shape`."""
 
@@ -36,14 +36,6 @@ class LazyQuant:
                  shape: tuple[int, ...], origin: str):
         self.values, self.scales, self.global_scale = values, scales, global_scale
         self.codec, self.shape, self.origin = codec, tuple(shape), origin
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
 
     @property
     def parts(self) -> tuple:
@@ -61,12 +53,8 @@ class LazyQuant:
         return LazyQuant(values, scales, global_scale, codec or self.codec, shape or self.shape, self.origin)
 
     # ---- structure
-    @property
-    def T(self) -> "LazyQuant":
-        return self.transpose(*reversed(range(self.ndim)))
-
     def transpose(self, *axes) -> "LazyQuant":
-        axes = tuple(axes[0]) if len(axes) == 1 and not isinstance(axes[0], int) else tuple(axes)
+        axes = transpose_axes(axes)
         n = self.ndim
         axes = tuple(a % n for a in axes)
         if set(axes[-2:]) != {n - 2, n - 1}:

@@ -46,10 +46,32 @@ def region_shape(index: Index) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in index)
 
 
-class Lazy:
-    """A tensor known by shape and dtype whose values are read region by region (`read`)."""
+def transpose_axes(axes: tuple) -> tuple[int, ...]:
+    """`transpose`'s arguments as numpy takes them (`t.transpose(1, 0)` or `t.transpose((1, 0))`)."""
+    return tuple(axes[0]) if len(axes) == 1 and not isinstance(axes[0], int) else tuple(axes)
+
+
+class Shaped:
+    """What a lazy tensor's numpy surface derives from its `shape` alone."""
 
     shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def T(self):
+        return self.transpose(*reversed(range(self.ndim)))
+
+
+class Lazy(Shaped):
+    """A tensor known by shape and dtype whose values are read region by region (`read`)."""
+
     dtype: np.dtype
 
     def read(self, index: Index) -> np.ndarray:
@@ -64,14 +86,6 @@ class Lazy:
         return []
 
     @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
     def nbytes(self) -> int:
         return self.size * np.dtype(self.dtype).itemsize
 
@@ -83,12 +97,8 @@ class Lazy:
         values = self.materialize()
         return values.astype(dtype or np.float32, copy=False)
 
-    @property
-    def T(self) -> "Lazy":
-        return self.transpose(*reversed(range(self.ndim)))
-
     def transpose(self, *axes) -> "Lazy":
-        axes = tuple(axes[0]) if len(axes) == 1 and not isinstance(axes[0], int) else tuple(axes)
+        axes = transpose_axes(axes)
         return self if axes == tuple(range(self.ndim)) else Transpose(self, axes)
 
     def __getitem__(self, index) -> "Lazy":
