@@ -19,6 +19,7 @@ from agentjax.config import HyperConnectionConfig, ModelConfig, MoEConfig
 from agentjax.errors import ModelConfigError, TensorMismatchError
 from checkpoints.hf_config import ConfigFields
 from checkpoints.hf_families import HFFamily
+from checkpoints.hf_families._reader import TensorReader
 from checkpoints.hf_families._deepseek_v4_attention import attention_config, attention_tensors
 from checkpoints.hf_tensors import HFTensors, contiguous
 
@@ -92,47 +93,14 @@ def model_config(fields: ConfigFields) -> ModelConfig:
     )
 
 
-class _Reader:
-    """Takes each agentjax parameter from the first HF spelling present (with or without the `model.`
-    prefix); an absent one is recorded as its first candidate, so the loader's check names it."""
-
-    def __init__(self, tensors: HFTensors, root: str):
-        self.tensors = tensors
-        self.root = root  # "" or "model."
-        self.arrays: dict[str, np.ndarray] = {}
-
-    def name(self, candidates: list[str]) -> str | None:
-        return next((self.root + c for c in candidates if self.root + c in self.tensors), None)
-
-    def one(self, param: str, candidates: list[str], *, transpose: bool = False) -> np.ndarray | None:
-        name = self.name(candidates)
-        if name is None:
-            self.tensors.origins[param] = self.root + candidates[0]
-            return None
-        array = self.tensors.take(name, param=param)
-        self.arrays[param] = contiguous(array.T) if transpose else array
-        return self.arrays[param]
-
-    def stacked(self, param: str, names: list[list[str]]) -> None:
-        """`param` stacked over experts: `names[e]` are expert e's [out, in] weights, each transposed and
-        concatenated along the output dim (gate then up)."""
-        absent = next((n for group in names for n in group if self.root + n not in self.tensors), None)
-        if absent is not None:
-            raise TensorMismatchError(f"{self.tensors.where} lacks tensor {self.root + absent!r} "
-                                      f"({len(names)} experts expected)")
-        self.arrays[param] = np.stack([np.concatenate([self.tensors.take(self.root + n, param=param).T for n in group],
-                                                      axis=1) for group in names])
-        self.tensors.origins[param] = self.root + re.sub(r"experts\.0\.", "experts.*.", names[0][0])
-
-
-def _hyper_connection(read: _Reader, src: str, dst: str, upstream: str, hf: str) -> None:
+def _hyper_connection(read: TensorReader, src: str, dst: str, upstream: str, hf: str) -> None:
     """One mHC mapping: `fn` [(2+N)N, N*D] -> [N*D, (2+N)N], `base`, `scale` (upstream `hc_{attn,ffn}_*`)."""
     read.one(f"{dst}.fn", [f"{src}{upstream}_fn", f"{src}{hf}.fn"], transpose=True)
     read.one(f"{dst}.base", [f"{src}{upstream}_base", f"{src}{hf}.base"])
     read.one(f"{dst}.scale", [f"{src}{upstream}_scale", f"{src}{hf}.scale"])
 
 
-def _hash_table(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
+def _hash_table(read: TensorReader, src: str, dst: str, cfg: ModelConfig) -> None:
     table = read.one(f"{dst}mlp.hash_table", [f"{src}ffn.gate.tid2eid", f"{src}mlp.gate.tid2eid"])
     if table is None:
         return
@@ -145,7 +113,7 @@ def _hash_table(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
     read.arrays[f"{dst}mlp.hash_table"] = table.astype(np.int32)
 
 
-def _moe(read: _Reader, src: str, dst: str, cfg: ModelConfig, hashed: bool) -> None:
+def _moe(read: TensorReader, src: str, dst: str, cfg: ModelConfig, hashed: bool) -> None:
     read.one(f"{dst}mlp.router.kernel", [f"{src}ffn.gate.weight", f"{src}mlp.gate.weight"], transpose=True)
     if hashed:
         _hash_table(read, src, dst, cfg)
@@ -172,7 +140,7 @@ def _moe(read: _Reader, src: str, dst: str, cfg: ModelConfig, hashed: bool) -> N
     read.one(f"{shared}down_proj", [f"{src}{s}.weight" for s in spellings["down"]], transpose=True)
 
 
-def _block(read: _Reader, src: str, dst: str, cfg: ModelConfig, layer: int, hashed: bool) -> None:
+def _block(read: TensorReader, src: str, dst: str, cfg: ModelConfig, layer: int, hashed: bool) -> None:
     """One decoder block: norms, attention, MoE and its two hyper-connections."""
     read.one(f"{dst}input_norm.weight", [f"{src}attn_norm.weight", f"{src}input_layernorm.weight"])
     read.one(f"{dst}pre_mlp_norm.weight", [f"{src}ffn_norm.weight", f"{src}post_attention_layernorm.weight"])
@@ -185,13 +153,13 @@ def _block(read: _Reader, src: str, dst: str, cfg: ModelConfig, layer: int, hash
     _hyper_connection(read, src, f"{dst}residual.ffn_hc", "hc_ffn", "ffn_hc")
 
 
-def _hyper_head(read: _Reader, src: str, dst: str) -> None:
+def _hyper_head(read: TensorReader, src: str, dst: str) -> None:
     read.one(f"{dst}.fn", [f"{src}hc_head_fn", f"{src}hc_head.hc_fn"], transpose=True)
     read.one(f"{dst}.base", [f"{src}hc_head_base", f"{src}hc_head.hc_base"])
     read.one(f"{dst}.scale", [f"{src}hc_head_scale", f"{src}hc_head.hc_scale"])
 
 
-def _mtp(read: _Reader, cfg: ModelConfig, k: int) -> None:
+def _mtp(read: TensorReader, cfg: ModelConfig, k: int) -> None:
     src, dst = f"mtp.{k}.", f"mtp.{k}."
     if not any(n.startswith((src, "model." + src)) for n in read.tensors.names):
         raise ModelConfigError(
@@ -218,7 +186,7 @@ def convert_tensors(cfg: ModelConfig, tensors: HFTensors) -> dict[str, np.ndarra
                     and int(m.group(2)) >= cfg.num_mtp_modules})
     for k in extra:  # MTP modules the config does not declare
         tensors.ignore_matching(rf"(model\.)?mtp\.{k}\..*")
-    read = _Reader(tensors, root)
+    read = TensorReader(tensors, root)
     read.one("embed", ["embed.weight", "embed_tokens.weight"])
     read.one("final_norm.weight", ["norm.weight"])
     lm_heads = ["head.weight", "lm_head.weight"]

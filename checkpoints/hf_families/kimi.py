@@ -12,14 +12,13 @@ reversal writes them, `block_sparse_moe.*`; experts per expert as `w1/w2/w3` or 
 from __future__ import annotations
 
 import logging
-import re
 
 import numpy as np
 
 from agentjax.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
-from agentjax.errors import TensorMismatchError
 from checkpoints.hf_config import ConfigFields
 from checkpoints.hf_families import HFFamily
+from checkpoints.hf_families._reader import TensorReader
 from checkpoints.hf_tensors import HFTensors, contiguous
 
 # transformers' KimiLinearConfig defaults (used when config.json leaves a field out)
@@ -167,38 +166,7 @@ def model_config(fields: ConfigFields) -> ModelConfig:
     return text_config(fields, tied_head=False)
 
 
-class _Reader:
-    """Takes each agentjax parameter from the first HF spelling present; an absent one is recorded
-    as its first candidate, so the loader's check names the HF tensor that is missing."""
-
-    def __init__(self, tensors: HFTensors):
-        self.tensors = tensors
-        self.arrays: dict[str, np.ndarray] = {}
-
-    def one(self, param: str, candidates: list[str], *, transpose: bool = False, shape: tuple | None = None) -> None:
-        name = next((c for c in candidates if c in self.tensors), None)
-        if name is None:
-            self.tensors.origins[param] = candidates[0]
-            return
-        array = self.tensors.take(name, param=param)
-        array = contiguous(array.T) if transpose else array
-        if shape is not None and array.size == int(np.prod(shape)):
-            array = array.reshape(shape)  # A_log [1, 1, H, 1] vs [H], a pseudo-query [1, d] vs [d]
-        self.arrays[param] = array
-
-    def stacked(self, param: str, names: list[list[str]], transpose: bool = True) -> None:
-        """`param` stacked over experts; `names[e]` are the HF tensors concatenated (along the output
-        dim) into expert e's kernel."""
-        if not all(n in self.tensors for group in names for n in group):
-            absent = next(n for group in names for n in group if n not in self.tensors)
-            raise TensorMismatchError(f"{self.tensors.where} lacks tensor {absent!r} ({len(names)} experts expected)")
-        parts = [[self.tensors.take(n, param=param) for n in group] for group in names]
-        self.arrays[param] = np.stack([np.concatenate([p.T if transpose else p for p in group], axis=1)
-                                       for group in parts])
-        self.tensors.origins[param] = re.sub(r"experts\.0\.", "experts.*.", names[0][0])
-
-
-def _mla(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
+def _mla(read: TensorReader, src: str, dst: str, cfg: ModelConfig) -> None:
     names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     names += ["q_proj"] if cfg.mla.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
     names += ["g_proj"] if cfg.mla.output_gate else []
@@ -209,7 +177,7 @@ def _mla(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
         read.one(f"{dst}attn.{p}.weight", [f"{src}self_attn.{p}.weight"])
 
 
-def _kda(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
+def _kda(read: TensorReader, src: str, dst: str, cfg: ModelConfig) -> None:
     kda = cfg.kda
     gate = ["g_proj"] if kda.full_rank_gate else ["g_a_proj", "g_b_proj"]
     for p in ["q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "o_proj", *gate]:
@@ -222,12 +190,12 @@ def _kda(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
     read.one(f"{dst}attn.dt_bias", [f"{src}self_attn.dt_bias"])
 
 
-def _dense(read: _Reader, src: str, dst: str) -> None:
+def _dense(read: TensorReader, src: str, dst: str) -> None:
     for p in ("gate_proj", "up_proj", "down_proj"):
         read.one(f"{dst}mlp.{p}.kernel", [f"{src}mlp.{p}.weight", f"{src}block_sparse_moe.{p}.weight"], transpose=True)
 
 
-def _moe(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
+def _moe(read: TensorReader, src: str, dst: str, cfg: ModelConfig) -> None:
     moe = cfg.moe
     block = next((f"{src}{b}." for b in ("block_sparse_moe", "mlp") if f"{src}{b}.gate.weight" in read.tensors),
                  f"{src}block_sparse_moe.")
@@ -260,7 +228,7 @@ def _moe(read: _Reader, src: str, dst: str, cfg: ModelConfig) -> None:
             read.one(f"{dst}mlp.latent_norm", [block + "routed_expert_norm.weight"])
 
 
-def _attention_residual(read: _Reader, src: str, dst: str, hidden: int) -> None:
+def _attention_residual(read: TensorReader, src: str, dst: str, hidden: int) -> None:
     read.one(f"{dst}.norm", [f"{src}.norm.weight"])
     read.one(f"{dst}.query", [f"{src}.proj.weight"], shape=(hidden,))
 
@@ -270,7 +238,7 @@ def convert_tensors(cfg: ModelConfig, tensors: HFTensors) -> dict[str, np.ndarra
     tensors.ignore_matching(r".*rotary_emb\.inv_freq")
     if prefix != PREFIXES[0][0]:  # the K3 wrapper: drop the vision tower and the projector
         tensors.ignore(*[n for n in tensors.names if not n.startswith("language_model.")])
-    read = _Reader(tensors)
+    read = TensorReader(tensors)
     read.one("embed", [prefix + "embed_tokens.weight"])
     read.one("final_norm.weight", [prefix + "norm.weight"])
     if cfg.tie_word_embeddings:

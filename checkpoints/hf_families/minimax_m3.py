@@ -19,6 +19,7 @@ from agentjax.config import BlockSparseConfig, ModelConfig, MoEConfig
 from agentjax.errors import ModelConfigError, TensorMismatchError
 from checkpoints.hf_config import ConfigFields, rope_settings
 from checkpoints.hf_families import HFFamily
+from checkpoints.hf_families._reader import TensorReader
 from checkpoints.hf_families._common import decoder_fields
 from checkpoints.hf_tensors import HFTensors, contiguous
 
@@ -133,29 +134,8 @@ def model_config(fields: ConfigFields) -> ModelConfig:
     return text_config(fields)
 
 
-def _plus_one(weight: np.ndarray) -> np.ndarray:
-    return weight + 1.0
-
-
-class _Reader:
-    """Takes each agentjax parameter from the first spelling present; an absent one is recorded as
-    its first candidate, so the loader's check names the HF tensor that is missing."""
-
-    def __init__(self, tensors: HFTensors):
-        self.tensors = tensors
-        self.arrays: dict[str, np.ndarray] = {}
-
-    def present(self, names: list[str]) -> bool:
-        return all(n in self.tensors for n in names)
-
-    def one(self, param: str, candidates: list[str], *, transpose: bool = False, norm: bool = False) -> None:
-        name = next((c for c in candidates if c in self.tensors), None)
-        if name is None:
-            self.tensors.origins[param] = candidates[0]
-            return
-        array = self.tensors.take(name, param=param)
-        array = contiguous(array.T) if transpose else array
-        self.arrays[param] = _plus_one(array) if norm else array
+class _Reader(TensorReader):
+    """The shared reader, plus MiniMax-M3's fused gate_up weights."""
 
     def split_gate_up(self, params: tuple[str, str], fused: str, width: int, hidden: int) -> None:
         """A fused `[2 * width, hidden]` gate_up weight (gate first) into two `[hidden, width]` kernels."""
