@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agentjax.bench.metrics import RequestRecord, summarize
+from agentjax.bench.traces import nonblank_lines
 from agentjax.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -86,24 +87,21 @@ def load_profile_export(path: str | Path) -> tuple[list[RequestRecord], dict[str
                                   f"(holding {PROFILE_EXPORT}) or the file itself")
     records: list[RequestRecord] = []
     skipped = {"warmup": 0, "cancelled": 0, "context_overflow": 0}
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-                meta = entry.get("metadata") or {}
-                phase = str(meta.get("phase_kind") or meta.get("benchmark_phase") or "profiling").lower()
-                if phase == "warmup":
-                    skipped["warmup"] += 1
-                elif meta.get("context_overflow_skip"):
-                    skipped["context_overflow"] += 1
-                elif meta.get("was_cancelled"):
-                    skipped["cancelled"] += 1
-                else:
-                    records.append(record_from_line(entry))
-            except (KeyError, TypeError, ValueError, AttributeError) as error:
-                raise InvalidRequestError(f"{path}:{number}: not an AgentX record ({error!r})") from error
+    for number, line in nonblank_lines(path):
+        try:
+            entry = json.loads(line)
+            meta = entry.get("metadata") or {}
+            phase = str(meta.get("phase_kind") or meta.get("benchmark_phase") or "profiling").lower()
+            if phase == "warmup":
+                skipped["warmup"] += 1
+            elif meta.get("context_overflow_skip"):
+                skipped["context_overflow"] += 1
+            elif meta.get("was_cancelled"):
+                skipped["cancelled"] += 1
+            else:
+                records.append(record_from_line(entry))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise InvalidRequestError(f"{path}:{number}: not an AgentX record ({error!r})") from error
     return records, skipped
 
 

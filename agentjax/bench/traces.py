@@ -29,6 +29,14 @@ MIX_MULTIPLIER_2 = np.uint64(0x94D049BB133111EB)
 _SHIFT_27, _SHIFT_30, _SHIFT_31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
+def nonblank_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSON-lines file, with their 1-based line numbers (for error messages)."""
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if line.strip():
+                yield number, line
+
+
 @dataclass(frozen=True)
 class Turn:
     """One request of a session. `hash_ids[i]` names the content of tokens [i*B, (i+1)*B), B the
@@ -182,27 +190,24 @@ def load_mooncake_jsonl(path: str | Path, context_scale: float = 1.0) -> list[Se
     path = Path(path)
     scope = f"mooncake:{path.name}"
     sessions = []
-    with open(path, encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                input_tokens = int(record["input_length"])
-                turn = Turn(index=0, hash_ids=np.asarray(record["hash_ids"], dtype=np.int64),
-                            input_tokens=input_tokens, output_tokens=int(record["output_length"]),
-                            think_time_s=0.0, offset_s=0.0)
-                start = float(record["timestamp"]) / 1000.0
-            except (KeyError, TypeError, ValueError) as error:
-                raise InvalidRequestError(
-                    f"{path}:{line_number}: not a Mooncake request line ({error!r})") from error
-            if len(turn.hash_ids) < input_tokens // MOONCAKE_BLOCK_SIZE:
-                raise InvalidRequestError(
-                    f"{path}:{line_number}: {len(turn.hash_ids)} hash ids cannot cover "
-                    f"input_length={input_tokens} in {MOONCAKE_BLOCK_SIZE}-token blocks")
-            session = Session(f"{path.stem}:{line_number}", [turn], MOONCAKE_BLOCK_SIZE, scope,
-                              start_offset_s=start)
-            sessions.append(scale_session(session, MOONCAKE_BLOCK_SIZE, context_scale))
+    for line_number, line in nonblank_lines(path):
+        try:
+            record = json.loads(line)
+            input_tokens = int(record["input_length"])
+            turn = Turn(index=0, hash_ids=np.asarray(record["hash_ids"], dtype=np.int64),
+                        input_tokens=input_tokens, output_tokens=int(record["output_length"]),
+                        think_time_s=0.0, offset_s=0.0)
+            start = float(record["timestamp"]) / 1000.0
+        except (KeyError, TypeError, ValueError) as error:
+            raise InvalidRequestError(
+                f"{path}:{line_number}: not a Mooncake request line ({error!r})") from error
+        if len(turn.hash_ids) < input_tokens // MOONCAKE_BLOCK_SIZE:
+            raise InvalidRequestError(
+                f"{path}:{line_number}: {len(turn.hash_ids)} hash ids cannot cover "
+                f"input_length={input_tokens} in {MOONCAKE_BLOCK_SIZE}-token blocks")
+        session = Session(f"{path.stem}:{line_number}", [turn], MOONCAKE_BLOCK_SIZE, scope,
+                          start_offset_s=start)
+        sessions.append(scale_session(session, MOONCAKE_BLOCK_SIZE, context_scale))
     logger.info("loaded %d Mooncake requests from %s", len(sessions), path)
     return sessions
 
