@@ -1,15 +1,21 @@
 """Config fields and tensor names that the llama-shaped families (llama, gemma3) share.
 
 `decoder_fields` reads the sizes every decoder config has; `attention_mlp_renames` is the table
-from transformers' `model.layers.{i}.self_attn/mlp` names to agentjax's. Host only: no jax.
+from transformers' `model.layers.{i}.self_attn/mlp` names to agentjax's; `renamed_family` is a family
+whose tensors map one to one by such a table. Host only: no jax.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from agentjax.config import ModelConfig
 from agentjax.errors import ModelConfigError
 from checkpoints.hf_config import ConfigFields
-from checkpoints.hf_tensors import HFTensors, Rename
+from checkpoints.hf_families import HFFamily
+from checkpoints.hf_tensors import HFTensors, Rename, rename_tensors
 
 
 def decoder_fields(fields: ConfigFields, *, default_max_positions: int, default_eps: float,
@@ -67,3 +73,15 @@ def ignore_unused(tensors: HFTensors, tie_word_embeddings: bool) -> None:
     tensors.ignore_matching(r".*rotary_emb\.inv_freq")
     if tie_word_embeddings:
         tensors.ignore("lm_head.weight")
+
+
+def renamed_family(name: str, model_types: tuple[str, ...], architectures: tuple[str, ...],
+                   model_config: Callable[[ConfigFields], ModelConfig], renames: list[Rename]) -> HFFamily:
+    """A family whose tensors map one to one by `renames` (tied embeddings leave the LM head unread)."""
+
+    def convert_tensors(cfg: ModelConfig, tensors: HFTensors) -> dict[str, np.ndarray]:
+        ignore_unused(tensors, cfg.tie_word_embeddings)
+        return rename_tensors(tensors, renames, name)
+
+    return HFFamily(name=name, model_types=model_types, architectures=architectures, model_config=model_config,
+                    convert_tensors=convert_tensors)

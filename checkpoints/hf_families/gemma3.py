@@ -10,9 +10,8 @@ import numpy as np
 
 from agentjax.config import ModelConfig
 from checkpoints.hf_config import ConfigFields, rope_settings
-from checkpoints.hf_families import HFFamily
-from checkpoints.hf_families._common import attention_mlp_renames, decoder_fields, ignore_unused
-from checkpoints.hf_tensors import HFTensors, Rename, rename_tensors
+from checkpoints.hf_families._common import attention_mlp_renames, decoder_fields, renamed_family
+from checkpoints.hf_tensors import Rename
 
 # transformers' Gemma3TextConfig defaults (used when config.json leaves a field out)
 DEFAULT_SLIDING_PATTERN = 6
@@ -83,15 +82,4 @@ def model_config(fields: ConfigFields) -> ModelConfig:
     )
 
 
-def convert_tensors(cfg: ModelConfig, tensors: HFTensors) -> dict[str, np.ndarray]:
-    ignore_unused(tensors, cfg.tie_word_embeddings)
-    return rename_tensors(tensors, RENAMES, "gemma3")
-
-
-FAMILY = HFFamily(
-    name="gemma3",
-    model_types=("gemma3_text",),
-    architectures=("Gemma3ForCausalLM",),
-    model_config=model_config,
-    convert_tensors=convert_tensors,
-)
+FAMILY = renamed_family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), model_config, RENAMES)

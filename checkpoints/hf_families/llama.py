@@ -6,13 +6,10 @@ Host only: never imports jax.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from agentjax.config import ModelConfig
 from checkpoints.hf_config import ConfigFields, rope_settings
-from checkpoints.hf_families import HFFamily
-from checkpoints.hf_families._common import attention_mlp_renames, decoder_fields, ignore_unused
-from checkpoints.hf_tensors import HFTensors, Rename, rename_tensors
+from checkpoints.hf_families._common import attention_mlp_renames, decoder_fields, renamed_family
+from checkpoints.hf_tensors import Rename
 
 RENAMES = [
     *attention_mlp_renames(),
@@ -35,15 +32,4 @@ def model_config(fields: ConfigFields) -> ModelConfig:
     )
 
 
-def convert_tensors(cfg: ModelConfig, tensors: HFTensors) -> dict[str, np.ndarray]:
-    ignore_unused(tensors, cfg.tie_word_embeddings)
-    return rename_tensors(tensors, RENAMES, "llama")
-
-
-FAMILY = HFFamily(
-    name="llama",
-    model_types=("llama",),
-    architectures=("LlamaForCausalLM",),
-    model_config=model_config,
-    convert_tensors=convert_tensors,
-)
+FAMILY = renamed_family("llama", ("llama",), ("LlamaForCausalLM",), model_config, RENAMES)
