@@ -23,32 +23,33 @@ def rank(parallel: ParallelConfig, role: str) -> Array:
     return jax.lax.axis_index(axes(role))
 
 
-def all_gather(parallel: ParallelConfig, role: str, x: Array, axis: int) -> Array:
-    """Concatenate every rank's `x` along `axis`, in rank order."""
+def _across(parallel: ParallelConfig, role: str, x: Array, collective) -> Array:
+    """`collective(x, axis names)` over the ranks of `role`; `x` itself when the role is not split."""
     if parallel.role_size(role) == 1:
         return x
-    return jax.lax.all_gather(x, axes(role), axis=axis % x.ndim, tiled=True)
+    return collective(x, axes(role))
+
+
+def all_gather(parallel: ParallelConfig, role: str, x: Array, axis: int) -> Array:
+    """Concatenate every rank's `x` along `axis`, in rank order."""
+    return _across(parallel, role, x, lambda x, names: jax.lax.all_gather(x, names, axis=axis % x.ndim, tiled=True))
 
 
 def sum_over(parallel: ParallelConfig, role: str, x: Array) -> Array:
     """The sum of every rank's `x` (an all-reduce)."""
-    if parallel.role_size(role) == 1:
-        return x
-    return jax.lax.psum(x, axes(role))
+    return _across(parallel, role, x, jax.lax.psum)
 
 
 def sum_scatter(parallel: ParallelConfig, role: str, x: Array, axis: int) -> Array:
     """Sum every rank's `x`, each rank keeping its slice of `axis` (a reduce-scatter)."""
-    if parallel.role_size(role) == 1:
-        return x
-    return jax.lax.psum_scatter(x, axes(role), scatter_dimension=axis % x.ndim, tiled=True)
+    return _across(parallel, role, x, lambda x, names: jax.lax.psum_scatter(
+        x, names, scatter_dimension=axis % x.ndim, tiled=True))
 
 
 def all_to_all(parallel: ParallelConfig, role: str, x: Array) -> Array:
     """`x[j]` goes to rank j; the result's `[i]` came from rank i (leading axis = ranks)."""
-    if parallel.role_size(role) == 1:
-        return x
-    return jax.lax.all_to_all(x, axes(role), split_axis=0, concat_axis=0, tiled=True)
+    return _across(parallel, role, x, lambda x, names: jax.lax.all_to_all(
+        x, names, split_axis=0, concat_axis=0, tiled=True))
 
 
 def exact_columns(x: Float[Array, "rows k"], local_kernel: Float[Array, "k n_local"], columns: Array,
