@@ -76,6 +76,18 @@ def _paged_impl(op: str, impl: str, kwargs: dict) -> str:
     return chosen
 
 
+def _dispatch(op: str, impl, args: tuple, kwargs: dict, reference, kernel, *, paged: bool):
+    """Run `op`: through a parallel layout's ops when `impl` is one (sharding/attention.py wraps the op),
+    else its jnp `reference` or its `kernel` (interpret mode on a CPU); `paged`: an op over KV pages that
+    may hold FP8 rows (`_paged_impl`)."""
+    if not isinstance(impl, str):
+        return getattr(impl, op)(*args, **kwargs)
+    chosen = _paged_impl(op, impl, kwargs) if paged else _check_impl(op, impl, ("reference", "kernel"))
+    if chosen == "reference":
+        return reference(*args, **kwargs)
+    return kernel(*args, interpret=not _on_gpu(), **kwargs)
+
+
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
@@ -124,11 +136,8 @@ def mla_paged_attention(*args, impl: str = "reference", **kwargs):
     """Write this step's MLA latent rows into their pages and attend with absorbed queries
     (see pallas_kernels.mla_attention). "kernel": the Triton-style kernel (interpret mode on a CPU),
     which needs the keyword arguments `kv_lens` and `cu_q_lens`."""
-    if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
-        return impl.mla_paged_attention(*args, **kwargs)
-    if _paged_impl("mla_paged_attention", impl, kwargs) == "reference":
-        return _mla.mla_paged_attention(*args, **kwargs)
-    return _mla.mla_paged_attention_kernel(*args, interpret=not _on_gpu(), **kwargs)
+    return _dispatch("mla_paged_attention", impl, args, kwargs, _mla.mla_paged_attention,
+                     _mla.mla_paged_attention_kernel, paged=True)
 
 
 def index_select_blocks(*args, impl: str = "reference", **kwargs):
@@ -136,32 +145,23 @@ def index_select_blocks(*args, impl: str = "reference", **kwargs):
     (see pallas_kernels.block_sparse_attention). "kernel": the block-score and top-k kernels
     (pallas_kernels.block_sparse_attention_kernels; interpret mode on a CPU), which need the keyword
     arguments `kv_lens` and `cu_q_lens`."""
-    if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
-        return impl.index_select_blocks(*args, **kwargs)
-    if _check_impl("index_select_blocks", impl, ("reference", "kernel")) == "reference":
-        return _bsa.index_select_blocks(*args, **kwargs)
-    return _bsa_kernels.index_select_blocks_kernel(*args, interpret=not _on_gpu(), **kwargs)
+    return _dispatch("index_select_blocks", impl, args, kwargs, _bsa.index_select_blocks,
+                     _bsa_kernels.index_select_blocks_kernel, paged=False)
 
 
 def block_sparse_attention(*args, impl: str = "reference", **kwargs):
     """Write this step's K/V and attend over the selected key blocks only
     (see pallas_kernels.block_sparse_attention). "kernel": the Triton-style kernel (interpret mode on a CPU)."""
-    if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
-        return impl.block_sparse_attention(*args, **kwargs)
-    if _paged_impl("block_sparse_attention", impl, kwargs) == "reference":
-        return _bsa.block_sparse_attention(*args, **kwargs)
-    return _bsa_kernels.block_sparse_attention_kernel(*args, interpret=not _on_gpu(), **kwargs)
+    return _dispatch("block_sparse_attention", impl, args, kwargs, _bsa.block_sparse_attention,
+                     _bsa_kernels.block_sparse_attention_kernel, paged=True)
 
 
 def kimi_delta_attention(*args, impl: str = "reference", **kwargs):
     """KDA's short conv and gated delta rule over a ragged batch, each row's state in its state page
     (see pallas_kernels.kda). "kernel": the delta rule in the decode-step or chunked-scan kernel
     (pallas_kernels.kda_kernels; interpret mode on a CPU); batch-invariant numerics keep the reference."""
-    if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
-        return impl.kimi_delta_attention(*args, **kwargs)
-    if _check_impl("kimi_delta_attention", impl, ("reference", "kernel")) == "reference":
-        return _kda.kimi_delta_attention(*args, **kwargs)
-    return _kda_kernels.kimi_delta_attention_kernel(*args, interpret=not _on_gpu(), **kwargs)
+    return _dispatch("kimi_delta_attention", impl, args, kwargs, _kda.kimi_delta_attention,
+                     _kda_kernels.kimi_delta_attention_kernel, paged=False)
 
 
 def _dsv4_xla_op(op: str, impl: str):
@@ -200,8 +200,5 @@ def dsv4_indexer_topk(*args, impl: str = "reference", **kwargs):
 def dsv4_attention(*args, impl: str = "reference", **kwargs):
     """Shared-KV MQA over a token's window rows and its selected (CSA) or all (HCA) compressed entries,
     with attention sinks. "kernel": the Triton-style kernel (interpret mode on a CPU)."""
-    if not isinstance(impl, str):  # a parallel layout's ops (sharding/attention.py) wrap the op
-        return impl.dsv4_attention(*args, **kwargs)
-    if _check_impl("dsv4_attention", impl, ("reference", "kernel")) == "reference":
-        return _dsv4.sliding_compressed_attention(*args, **kwargs)
-    return _dsv4_kernels.sliding_compressed_attention_kernel(*args, interpret=not _on_gpu(), **kwargs)
+    return _dispatch("dsv4_attention", impl, args, kwargs, _dsv4.sliding_compressed_attention,
+                     _dsv4_kernels.sliding_compressed_attention_kernel, paged=False)
