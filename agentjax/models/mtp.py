@@ -77,6 +77,12 @@ def hyper_connected_mtp_layer_kind(cfg: ModelConfig, index: int = 0) -> LayerKin
     return LayerKind("swa_mqa", "moe", cfg.sliding_window, (cfg.rope_theta, None), mtp_kv_groups(cfg, index, roles))
 
 
+def _through_block(module: nnx.Module, x, kv: tuple, batch, numerics: str) -> tuple:
+    """`(x, kv)` after an MTP module's decoder block, at its layer number and KV slots."""
+    slots = {role: jnp.asarray(slot, jnp.int32) for role, slot in module.slot_table}
+    return module.block(x, kv, batch, numerics, slots, jnp.asarray(module.layer, jnp.int32))
+
+
 def _slot_table(cfg: ModelConfig, index: int) -> tuple[tuple[str, int], ...]:
     """(role, slot) of MTP module `index`'s layer as static ints (none without `mtp_kv_cache`)."""
     if not cfg.mtp_kv_cache:
@@ -108,8 +114,7 @@ class MTPModule(nnx.Module):
             batch, numerics: str = "fast") -> tuple[Array, Float[Array, "tokens hidden"], tuple]:
         """`(block output, normed hidden for the LM head, kv)` for the batch's tokens."""
         z = self.combine(embeddings, hidden, batch.positions, numerics)
-        slots = {role: jnp.asarray(slot, jnp.int32) for role, slot in self.slot_table}
-        z, kv = self.block(z, kv, batch, numerics, slots, jnp.asarray(self.layer, jnp.int32))
+        z, kv = _through_block(self, z, kv, batch, numerics)
         return z, self.final_norm(z, numerics), kv
 
     def combine(
@@ -147,8 +152,7 @@ class HyperConnectedMTPModule(nnx.Module):
         z = self.combine(embeddings, streams, batch.positions, numerics)
         tokens, n, _ = z.shape
         stream = (z, jnp.zeros((tokens, n), jnp.float32), jnp.zeros((tokens, n, n), jnp.float32))
-        slots = {role: jnp.asarray(slot, jnp.int32) for role, slot in self.slot_table}
-        stream, kv = self.block(stream, kv, batch, numerics, slots, jnp.asarray(self.layer, jnp.int32))
+        stream, kv = _through_block(self, stream, kv, batch, numerics)
         return stream[0], self.final_norm(self.hc_head.finish(stream, numerics), numerics), kv
 
     def combine(
