@@ -66,10 +66,7 @@ class LazyQuant(Shaped):
         return self._with(*parts, codec=codec, shape=tuple(self.shape[a] for a in axes))
 
     def reshape(self, *shape) -> "LazyQuant":
-        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else tuple(shape)
-        if -1 in shape:
-            known = math.prod(n for n in shape if n != -1)
-            shape = tuple(self.size // known if n == -1 else n for n in shape)
+        shape = self.reshape_target(shape)
         if shape == self.shape:
             return self
         # only the rows of a matrix split into (groups, rows): DeepSeek-V4's grouped output projection

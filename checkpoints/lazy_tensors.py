@@ -47,7 +47,8 @@ def region_shape(index: Index) -> tuple[int, ...]:
 
 
 def transpose_axes(axes: tuple) -> tuple[int, ...]:
-    """`transpose`'s arguments as numpy takes them (`t.transpose(1, 0)` or `t.transpose((1, 0))`)."""
+    """`transpose`'s (or `reshape`'s) arguments as numpy takes them (`t.transpose(1, 0)` or
+    `t.transpose((1, 0))`), as one tuple."""
     return tuple(axes[0]) if len(axes) == 1 and not isinstance(axes[0], int) else tuple(axes)
 
 
@@ -67,6 +68,14 @@ class Shaped:
     @property
     def T(self):
         return self.transpose(*reversed(range(self.ndim)))
+
+    def reshape_target(self, shape: tuple) -> tuple[int, ...]:
+        """`reshape`'s arguments as numpy takes them, with a -1 resolved from `size`."""
+        shape = transpose_axes(shape)
+        if -1 in shape:
+            known = math.prod(n for n in shape if n != -1)
+            shape = tuple(self.size // known if n == -1 else n for n in shape)
+        return shape
 
 
 class Lazy(Shaped):
@@ -110,10 +119,7 @@ class Lazy(Shaped):
         return DropAxes(sliced, dropped) if dropped else sliced
 
     def reshape(self, *shape) -> "Lazy":
-        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else tuple(shape)
-        if -1 in shape:
-            known = math.prod(n for n in shape if n != -1)
-            shape = tuple(self.size // known if n == -1 else n for n in shape)
+        shape = self.reshape_target(shape)
         if shape == self.shape:
             return self
         split = _split_of(self.shape, shape)
