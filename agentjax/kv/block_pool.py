@@ -134,14 +134,18 @@ class BlockPool:
         page_hash = self.page_hash
         evicting = [page for page in pages.tolist() if page_hash[page] is not None]
         if evicting:
-            hashes = [page_hash[page] for page in evicting]
-            groups = self.page_group[evicting].tolist()
-            if evicted is not None:
-                parents = [self.page_parent[page] for page in evicting]
-                tokens = [self.page_tokens[page] for page in evicting] if self.enable_events else None
-                evicted.append((evicting, hashes, groups, parents, tokens))
-            self._evict_many(evicting, hashes, groups)
+            self._record_and_evict(evicting, evicted)
         return pages
+
+    def _record_and_evict(self, pages: list[int], evicted: list | None) -> None:
+        """Evict `pages`' cached hashes; with `evicted`, append their undo record (see `allocate`)."""
+        hashes = [self.page_hash[page] for page in pages]
+        groups = self.page_group[pages].tolist()
+        if evicted is not None:
+            parents = [self.page_parent[page] for page in pages]
+            tokens = [self.page_tokens[page] for page in pages] if self.enable_events else None
+            evicted.append((pages, hashes, groups, parents, tokens))
+        self._evict_many(pages, hashes, groups)
 
     def _evict_many(self, pages: list[int], hashes: list[BlockHash], groups: list[int]) -> None:
         if len(self.cached) == 1:

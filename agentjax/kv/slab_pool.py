@@ -270,15 +270,6 @@ class SlabPool(BlockPool):
             self._record_and_evict(evicting, evicted)
         return pages
 
-    def _record_and_evict(self, pages: list[int], evicted: list | None) -> None:
-        hashes = [self.page_hash[page] for page in pages]
-        groups = self.page_group[pages].tolist()
-        if evicted is not None:
-            parents = [self.page_parent[page] for page in pages]
-            tokens = [self.page_tokens[page] for page in pages] if self.enable_events else None
-            evicted.append((pages, hashes, groups, parents, tokens))
-        self._evict_many(pages, hashes, groups)
-
     def _empty_free(self, group: int) -> int:
         return int(self.group_free[group]) - self.index.num_cached_free(group)
 
