@@ -20,3 +20,10 @@ def write_section(body: str, path: Path = BENCHMARKS) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
     path.write_text(text)
+
+
+def publish(body: str, write: bool, path: Path = BENCHMARKS) -> None:
+    """Print a benchmark's section, and write it to BENCHMARKS.md unless the run asked not to."""
+    print(body)
+    if write:
+        write_section(body, path)
