@@ -2,8 +2,9 @@
 
 bench_generate.py checks the revision out in a `git worktree` and starts this script with that
 worktree first on PYTHONPATH, so `agentjax` here is the old code. It speaks the line protocol of
-`peer_protocol.py` (seconds: the wall time of LLM.generate). Its first line is {"ready": true, "revision": ..., "load_s": ...}. It uses only the public `LLM`
-and `SamplingParams`, greedy with `ignore_eos`, so any revision since the first can answer.
+`peer_protocol.py` (seconds: the wall time of LLM.generate). Its first line is {"ready": true,
+"revision": ..., "load_s": ...}. It uses only the public `LLM` and `SamplingParams`, greedy with
+`ignore_eos`, so any revision since the first can answer.
 """
 from __future__ import annotations
 

@@ -266,15 +266,9 @@ def markdown(args, command: str, records: list, disconnects: int, soak: Soak, re
 
 
 def write_row(row: str, command: str, machine: str, path: Path) -> str:
-    from benchmarks_md import write_section
+    from benchmarks_md import section_lines, write_section
 
-    text = path.read_text() if path.exists() else ""
-    rows = []
-    if SECTION in text:
-        section = text[text.index(SECTION):]
-        end = section.find("\n## ", len(SECTION))
-        section = section if end < 0 else section[:end]
-        rows = [line for line in section.splitlines() if re.match(r"^\| \d{4}-\d\d-\d\d ", line)]
+    rows = [line for line in section_lines(SECTION, path) if re.match(r"^\| \d{4}-\d\d-\d\d ", line)]
     body = "\n".join([
         SECTION, "",
         "`scripts/soak_serve.py` starts `agentjax serve` with the host and disk KV tiers and a small device pool,",
