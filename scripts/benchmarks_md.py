@@ -4,6 +4,7 @@ A section runs from its `## ` heading to the next `## ` heading or the end of th
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
@@ -11,10 +12,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 
 def _span(text: str, heading: str) -> tuple[int, int] | None:
     """Where the section of `heading` starts in `text` and where it ends (-1: at the end of the text)."""
-    if heading not in text:
+    found = re.search(rf"^{re.escape(heading)}$", text, re.MULTILINE)  # the heading as a whole line
+    if found is None:
         return None
-    start = text.index(heading)
-    return start, text.find("\n## ", start + len(heading))
+    return found.start(), text.find("\n## ", found.end())
 
 
 def section_lines(heading: str, path: Path = BENCHMARKS) -> list[str]:

@@ -230,14 +230,9 @@ class IndexerTieRecorder:
         return any(self.row_ties(s, row, position, rate, k) for s, rate, k in self.calls[call])
 
 
-def _top2_margin(logits: torch.Tensor) -> torch.Tensor:
-    top = torch.topk(logits, 2, dim=-1).values
-    return top[..., 0] - top[..., 1]
-
-
 @torch.no_grad()
 def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str, np.ndarray]:
-    from fuzz_parity_reference import greedy_generate
+    from fuzz_parity_reference import greedy_generate, top2_margins
 
     length = prompt.numel()
     ties = IndexerTieRecorder(model)
@@ -286,7 +281,7 @@ def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str,
         "prompt_indexer_boundary_tie": np.asarray(prompt_ties),
         "generated_ids": generated.numpy().astype(np.int32),
         "generated_logits": step_logits.numpy().astype(np.float32),
-        "generated_margins": _top2_margin(step_logits).numpy().astype(np.float32),
+        "generated_margins": top2_margins(step_logits),
         "cached_indexer_boundary_tie": np.asarray(cached_ties),
         "uncached_step_ids": uncached.numpy().astype(np.int32),
         "uncached_indexer_boundary_tie": np.asarray(uncached_ties),
