@@ -25,13 +25,14 @@ def start_healthy(argv: list[str], port: int, log_path: Path, cwd: Path, timeout
     answers 200. Exits the script if the process ends first or is not healthy in `timeout_s`."""
     with log_path.open("wb") as log:
         process = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    shown = " ".join(argv[1:])
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            sys.exit(f"{' '.join(argv[1:4])} exited with {process.returncode}; see {log_path}")
+            sys.exit(f"{shown} exited with {process.returncode}; see {log_path}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return process
         time.sleep(poll_s)
     process.kill()
-    sys.exit(f"{' '.join(argv[1:4])} did not become healthy in {timeout_s:.0f} s; see {log_path}")
+    sys.exit(f"{shown} did not become healthy in {timeout_s:.0f} s; see {log_path}")
