@@ -1,8 +1,10 @@
 """Runs a benchmark script's own measurement at another checkout (`--base-repo`), for the before/after
 rows a benchmark writes from one run: the script reruns itself there with `--json FILE` and that
-checkout first on PYTHONPATH, and the measurements come back with the checkout's short commit."""
+checkout first on PYTHONPATH, and the measurements come back with the checkout's short commit.
+It only measures and hands back: the section's text and BENCHMARKS.md are the script's."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -23,3 +25,32 @@ def measure_at(base_repo: Path, script: str, args: list[str] = ()) -> dict:
                             text=True).stdout.strip()
     before["commit"] = commit or "unknown"
     return before
+
+
+def add_arguments(parser: argparse.ArgumentParser, benchmarks_md: Path) -> None:
+    """The flags of a before/after benchmark: --base-repo, --json, --benchmarks-md and --no-write."""
+    parser.add_argument("--base-repo", type=Path, default=None,
+                        help="another checkout to measure first, with the same script (the 'before' rows)")
+    parser.add_argument("--json", type=Path, default=None, help="write the measurements as JSON here and stop")
+    parser.add_argument("--benchmarks-md", type=Path, default=benchmarks_md)
+    parser.add_argument("--no-write", action="store_true", help="print the section only")
+
+
+def before_and_after(args: argparse.Namespace, script: str, measure, passed: list[str] = ()) -> tuple:
+    """(before, after) measurements: before at `--base-repo` (None without it), after here; after is None
+    when `--json` asked for this checkout's measurement alone (written there)."""
+    if args.json is not None:
+        args.json.write_text(json.dumps(measure()))
+        return None, None
+    before = measure_at(args.base_repo, script, list(passed)) if args.base_repo is not None else None
+    return before, measure()
+
+
+def before_then_after(before: dict | None, after: dict, key: str):
+    """(index, code, row) for every row of `after[key]` (a list, or a dict by label), the same row of the
+    before run first where it has one; code is "before" or "after"."""
+    rows = after[key]
+    for index in (rows if isinstance(rows, dict) else range(len(rows))):
+        for code, results in (("before", before), ("after", after)):
+            if results is not None and index in (results[key] if isinstance(rows, dict) else range(len(results[key]))):
+                yield index, code, results[key][index]

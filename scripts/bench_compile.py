@@ -21,59 +21,39 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks_md import publish
+from compile_timing import DEFINITIONS
+
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Compile time (SmolLM2-135M, CPU)"
 
 MEASURE = r'''
-import json, statistics, sys, time
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from compile_timing import time_cases
 from agentjax.models import load_model
 from agentjax.runner.model_runner import ModelRunner
-repeats = int(sys.argv[1])
 cfg, params, _ = load_model(None)
 runner = ModelRunner(cfg, params, num_pages=1024, page_size=16)
-greedy = (0.0, 0, 1.0, 0, 0)
 cases = {
     "prefill 16": [(list(range(100, 116)), 0, list(range(1, 3)))],
     "prefill 512": [(list(range(100, 612)), 0, list(range(1, 33)))],
     "decode x8 at 512": [([5], 512, list(range(1 + 40 * i, 40 + 40 * i))) for i in range(8)],
 }
-out = {}
-for name, rows in cases.items():
-    started = time.perf_counter()
-    runner.execute(rows, [greedy] * len(rows))
-    first = time.perf_counter() - started
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        runner.execute(rows, [greedy] * len(rows))
-        times.append(time.perf_counter() - started)
-    step = statistics.median(times)
-    out[name] = {"compile_s": first - step, "step_s": step}
-print(json.dumps(out))
+print(json.dumps(time_cases(runner, cases, int(sys.argv[1]))))
 '''
 
 
 def measure(pythonpath: Path, repeats: int) -> dict:
     env = {**os.environ, "AGENTJAX_XLA_CACHE": "off", "PYTHONPATH": str(pythonpath)}
-    result = subprocess.run([sys.executable, "-c", MEASURE, str(repeats)], env=env, capture_output=True,
-                            text=True, check=True, cwd=pythonpath)
+    result = subprocess.run([sys.executable, "-c", MEASURE, str(repeats), str(REPO / "scripts")], env=env,
+                            capture_output=True, text=True, check=True, cwd=pythonpath)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def median_of(results: list[dict]) -> dict:
     return {shape: {key: statistics.median(r[shape][key] for r in results) for key in results[0][shape]}
             for shape in results[0]}
-
-
-def write_section(path: Path, body: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + ("\n" + text[end + 1:] if end >= 0 else "\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body + "\n"
-    path.write_text(text)
 
 
 def main() -> int:
@@ -104,16 +84,13 @@ def main() -> int:
              f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
              f"XLA cache off, float32, fast numerics; this checkout ({head}, working tree) against "
              f"{args.baseline_rev}, one process per side and round, sides alternating; medians over rounds. "
-             "Compile = first call minus the steady median; step = median of the steady calls.", "",
+             + DEFINITIONS, "",
              "| shape | compile, baseline | compile, this | step, baseline | step, this |", "|---|---|---|---|---|"]
     for name in current:
         b, c = baseline[name], current[name]
         lines.append(f"| {name} | {b['compile_s']:.1f} s | {c['compile_s']:.1f} s | "
                      f"{b['step_s'] * 1e3:.0f} ms | {c['step_s'] * 1e3:.0f} ms |")
-    body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section(REPO / "BENCHMARKS.md", body)
+    publish("\n".join(lines), not args.no_write)
     return 0
 
 

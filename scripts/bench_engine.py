@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agentjax import LLM, SamplingParams  # noqa: E402
 from agentjax.config import EngineConfig  # noqa: E402
 from agentjax.engine import Engine  # noqa: E402
+from benchmarks_md import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Engine (SmolLM2-135M, CPU)"
@@ -129,19 +130,8 @@ def main() -> int:
         "Host share = 1 - (time from dispatching the jitted step to its tokens on the host) / (engine.step wall time).",
         "",
     ]
-    _write_section(ROOT / "BENCHMARKS.md", "\n".join(lines))
+    write_section("\n".join(lines), ROOT / "BENCHMARKS.md")
     return 0
-
-
-def _write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
-    path.write_text(text)
 
 
 if __name__ == "__main__":

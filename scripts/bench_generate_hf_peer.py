@@ -1,12 +1,7 @@
 """The HF transformers side of `scripts/bench_generate.py`; runs in its own Python with torch.
 
 It loads SmolLM2 from the same GGUF file as agentjax (`gguf_file=`, dequantised to float32), then
-answers requests on stdin, one JSON object a line, with one JSON line each on stdout:
-
-    {"op": "generate", "prompts": [[ids...], ...], "max_new_tokens": 64}
-        -> {"seconds": wall time of model.generate, "new_token_ids": [[...], ...]}
-    {"op": "quit"}
-
+answers requests in the line protocol of `peer_protocol.py` (seconds: the wall time of model.generate).
 The first line it writes is {"ready": true, ...versions...}. Prompts are token ids, so both sides
 see the same ids; a batch is left-padded with an attention mask. Decoding is greedy
 (`do_sample=False`) with the default KV cache of `generate`, and with no stop token
@@ -20,11 +15,11 @@ Usage (normally started by bench_generate.py):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import sys
 import time
+
+from peer_protocol import open_replies, serve
 
 
 def main() -> None:
@@ -32,15 +27,7 @@ def main() -> None:
     parser.add_argument("--gguf", required=True, help="path of the GGUF file to load")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     args = parser.parse_args()
-
-    # Replies go to the original stdout; anything libraries print goes to stderr.
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) > args.threads:
-        os.sched_setaffinity(0, allowed[: args.threads])
+    replies = open_replies(args.threads)
 
     import torch
     import transformers
@@ -56,22 +43,10 @@ def main() -> None:
     pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
     if isinstance(pad_id, list):
         pad_id = pad_id[0]
-    replies.write(json.dumps({
-        "ready": True,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "dtype": str(next(model.parameters()).dtype),
-        "load_s": load_s,
-    }) + "\n")
+    ready = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+             "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype), "load_s": load_s}
 
-    for line in sys.stdin:
-        request = json.loads(line)
-        if request["op"] == "quit":
-            break
-        prompts = request["prompts"]
-        new_tokens = int(request["max_new_tokens"])
+    def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -80,16 +55,12 @@ def main() -> None:
             attention_mask[row, width - len(prompt):] = 1
         with torch.inference_mode():
             started = time.perf_counter()
-            output = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=[],
-                pad_token_id=pad_id,
-            )
+            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                                    do_sample=False, eos_token_id=[], pad_token_id=pad_id)
             seconds = time.perf_counter() - started
-        replies.write(json.dumps({"seconds": seconds, "new_token_ids": output[:, width:].tolist()}) + "\n")
+        return seconds, output[:, width:].tolist()
+
+    serve(replies, ready, generate)
 
 
 if __name__ == "__main__":

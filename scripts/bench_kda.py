@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,17 +20,12 @@ from flax import nnx
 from agentjax.config import KDAConfig, ModelConfig
 from agentjax.models.kda import KimiDeltaAttention
 from agentjax.ragged_batch import RaggedBatch
+from call_timing import call_seconds
 from pallas_kernels import kda
 
 
 def _median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(call_seconds(fn, repeats=repeats))
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -211,6 +210,8 @@ def measure() -> dict:
 
 
 def markdown(after: dict, before: dict | None, command: str) -> str:
+    from base_checkout import before_then_after
+
     lines = [SECTION, "", f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
              f"{platform.python_version()}, run on {datetime.date.today().isoformat()}. Capacity is KV bookkeeping "
              "(the real scheduler and KV manager; the runner returns a fixed token without computing), so the "
@@ -226,60 +227,40 @@ def markdown(after: dict, before: dict | None, command: str) -> str:
              "| model | code | layout | memory GB | session tokens | sessions held | measured at | hittable tokens/GB "
              "| ideal tokens/GB | hittable / ideal | 0.85 prompt |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label in after["models"]:
-        for code, results in (("before", before), ("after", after)):
-            if results is None or label not in results["models"]:
-                continue
-            s, single = results["models"][label]["sessions"], results["models"][label]["single"]
-            ran = "runs" if single["ran"] else f"refused ({single['error'] or 'not finished'})"
-            held = f"{s['sessions_held']}" if not s.get("refused") else \
-                f"{s['sessions_held']} ({s['refused']} refused: one alone does not fit)"
-            when = "first preemption" if s["preempted"] else "all finished (no preemption)"
-            lines.append(f"| {label} | {code} | {s['layout']} | {s['memory_gb']} | {s['context']:,} | "
-                         f"{held} | {when} | {s['hittable_per_gb']:,.0f} | {s['ideal_per_gb']:,.0f} | "
-                         f"**{s['ratio']:.3f}** | {single['prompt_tokens']:,} tokens: {ran} |")
+    for label, code, model in before_then_after(before, after, "models"):
+        s, single = model["sessions"], model["single"]
+        ran = "runs" if single["ran"] else f"refused ({single['error'] or 'not finished'})"
+        held = f"{s['sessions_held']}" if not s.get("refused") else \
+            f"{s['sessions_held']} ({s['refused']} refused: one alone does not fit)"
+        when = "first preemption" if s["preempted"] else "all finished (no preemption)"
+        lines.append(f"| {label} | {code} | {s['layout']} | {s['memory_gb']} | {s['context']:,} | "
+                     f"{held} | {when} | {s['hittable_per_gb']:,.0f} | {s['ideal_per_gb']:,.0f} | "
+                     f"**{s['ratio']:.3f}** | {single['prompt_tokens']:,} tokens: {ran} |")
     lines += ["", "Full-size presets (abstract shapes; KV in the model's dtype, the format the engine runs today: "
               "DeepSeek-V4's fp8_ds_mla rows are sized in plans only), one request of the stated context, by the "
               "engine's accounting (its pages, with their share of the layout's padding):", "",
               "| model | KV dtype | context | code | layout | tokens/GB | ideal tokens/GB | engine / ideal |",
               "|---|---|---|---|---|---|---|---|"]
-    for index, row in enumerate(after["full_size"]):
-        for code, results in (("before", before), ("after", after)):
-            if results is None:
-                continue
-            r = results["full_size"][index]
-            lines.append(f"| {r['model']} | {r['dtype']} | {r['context']:,} | {code} | {r['layout']} | "
-                         f"{r['tokens_per_gb']:,.0f} | {r['ideal_per_gb']:,.0f} | "
-                         f"**{r['tokens_per_gb'] / r['ideal_per_gb']:.3f}** |")
+    for _, code, r in before_then_after(before, after, "full_size"):
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['context']:,} | {code} | {r['layout']} | "
+                     f"{r['tokens_per_gb']:,.0f} | {r['ideal_per_gb']:,.0f} | "
+                     f"**{r['tokens_per_gb'] / r['ideal_per_gb']:.3f}** |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import base_checkout
+    from benchmarks_md import publish
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-repo", type=Path, default=None,
-                        help="another checkout to measure first, with the same script (the 'before' rows)")
-    parser.add_argument("--json", type=Path, default=None, help="write the measurements as JSON here and stop")
-    parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
-    parser.add_argument("--no-write", action="store_true", help="print the section only")
+    base_checkout.add_arguments(parser, REPO / "BENCHMARKS.md")
     args = parser.parse_args(argv)
-    if args.json is not None:
-        args.json.write_text(json.dumps(measure()))
+    before, after = base_checkout.before_and_after(args, __file__, measure)
+    if after is None:
         return 0
-    before = None
-    if args.base_repo is not None:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from base_checkout import measure_at
-
-        before = measure_at(args.base_repo, __file__)
-    after = measure()
     command = "python scripts/bench_kv_capacity.py" + (" --base-repo ../i34-base" if before else "")
-    text = markdown(after, before, command)
-    print(text)
-    if not args.no_write:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from benchmarks_md import write_section
-
-        write_section(text, args.benchmarks_md)
+    publish(markdown(after, before, command), not args.no_write, args.benchmarks_md)
     return 0
 
 

@@ -14,11 +14,12 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks_md import write_section
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO.parent / "shared" / "bench" / "vllm_baseline"
@@ -94,16 +95,6 @@ def markdown(rows: list[dict], args: argparse.Namespace, workload: dict, command
             f"{v['failed_allocs']} / {a['failed_allocs']} | {v['lookup_us']:.0f} / {v['allocate_us']:.0f} / "
             f"{v['free_us']:.0f} | {a['lookup_us']:.0f} / {a['allocate_us']:.0f} / {a['free_us']:.0f} |")
     return "\n".join(lines) + "\n"
-
-
-def write_section(text: str, path: Path) -> None:
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        updated = pattern.sub(lambda _: text + "\n", current)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + text
-    path.write_text(updated)
 
 
 def main(argv: list[str] | None = None) -> int:

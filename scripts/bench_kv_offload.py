@@ -164,12 +164,10 @@ def merge_section(current: str | None, preamble: str | None, subsections: list[s
 
 
 def _current_section(path: Path) -> str | None:
-    text = path.read_text() if path.exists() else ""
-    if SECTION not in text:
-        return None
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
-    return text[start:] if end < 0 else text[start:end + 1]
+    from benchmarks_md import section_lines
+
+    lines = section_lines(SECTION, path)
+    return "\n".join(lines) + "\n" if lines else None
 
 
 def main(argv: list[str] | None = None) -> int:

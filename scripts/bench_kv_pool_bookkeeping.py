@@ -156,6 +156,8 @@ def measure(args) -> dict:
 
 
 def markdown(after: dict, before: dict | None, command: str, args) -> str:
+    from base_checkout import before_then_after
+
     lines = [SECTION, "",
              f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
              f"{platform.python_version()}, run on {datetime.date.today().isoformat()} (1-minute load "
@@ -169,14 +171,9 @@ def markdown(after: dict, before: dict | None, command: str, args) -> str:
                 if before else ""),
              "", "| preset | memory GB | layout | page ids | pool | code | median ms / request | p90 ms |",
              "|---|---|---|---|---|---|---|---|"]
-    for index, row in enumerate(after["rows"]):
-        for code, results in (("before", before), ("after", after)):
-            if results is None:
-                continue
-            r = results["rows"][index]
-            lines.append(f"| {r['preset']} | {r['memory_gb']:g} | {r['layout']} | {r['page_ids']:,} | "
-                         f"{r['pool_state']} | {code} | "
-                         f"**{r['median_ms']:.3f}** | {r['p90_ms']:.3f} |")
+    for _, code, r in before_then_after(before, after, "rows"):
+        lines.append(f"| {r['preset']} | {r['memory_gb']:g} | {r['layout']} | {r['page_ids']:,} | "
+                     f"{r['pool_state']} | {code} | **{r['median_ms']:.3f}** | {r['p90_ms']:.3f} |")
     lines += ["", "Page ids per group of the full-size presets' pools (abstract shapes, KV in the model's dtype, the "
               "engine's default layout; one device's part under tp8):", "",
               "| model | parallel | memory GB per device | layout | slabs | page ids per group |",
@@ -188,39 +185,26 @@ def markdown(after: dict, before: dict | None, command: str, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import base_checkout
+    from benchmarks_md import publish
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-repo", type=Path, default=None,
-                        help="another checkout to measure first, with the same script (the 'before' rows)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--appends", type=int, default=8)
     parser.add_argument("--live", type=int, default=16)
     parser.add_argument("--memories", type=float, nargs="+", default=list(MEMORIES_GB))
-    parser.add_argument("--json", type=Path, default=None, help="write the measurements as JSON here and stop")
-    parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
-    parser.add_argument("--no-write", action="store_true", help="print the section only")
+    base_checkout.add_arguments(parser, REPO / "BENCHMARKS.md")
     args = parser.parse_args(argv)
-    if args.json is not None:
-        args.json.write_text(json.dumps(measure(args)))
-        return 0
     passed = [f"--requests {args.requests}", f"--prompt {args.prompt}", f"--appends {args.appends}",
               f"--live {args.live}", "--memories " + " ".join(f"{m:g}" for m in args.memories)]
-    before = None
-    if args.base_repo is not None:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from base_checkout import measure_at
-
-        before = measure_at(args.base_repo, __file__, " ".join(passed).split())
-    after = measure(args)
+    before, after = base_checkout.before_and_after(args, __file__, lambda: measure(args), " ".join(passed).split())
+    if after is None:
+        return 0
     command = "python scripts/bench_kv_pool_bookkeeping.py " + " ".join(passed) + (
         " --base-repo ../base" if before else "")
-    text = markdown(after, before, command, args)
-    print(text)
-    if not args.no_write:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from benchmarks_md import write_section
-
-        write_section(text, args.benchmarks_md)
+    publish(markdown(after, before, command, args), not args.no_write, args.benchmarks_md)
     return 0
 
 

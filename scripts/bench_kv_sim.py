@@ -14,13 +14,14 @@ import argparse
 import json
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks_md import write_section
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## KV policy simulator"
@@ -29,18 +30,23 @@ CONFIGS = [  # (lanes, device tokens, host tokens)
     (32, "1M", "0"), (128, "4M", "0"), (32, "1M", "8M"), (128, "4M", "32M")]
 
 
-def run(args: argparse.Namespace, lanes: int, hbm: str, host: str, out: Path) -> tuple[str, dict]:
-    command = ["agentjax", "bench", "kv-sim", "--traces", args.traces, "--lanes", str(lanes), "--stagger", "10",
-               "--hbm-tokens", hbm, "--policies", POLICIES, "--out", str(out)]
-    if host != "0":
-        command[-2:-2] = ["--host-tokens", host]
+def run_kv_sim(flags: list[str], out: Path, tag: str) -> tuple[str, dict]:
+    """`agentjax bench kv-sim FLAGS --out OUT` in a subprocess of this checkout: the command as a row shows
+    it (OUT as r.json) and the summary it wrote. Exits the script if the command fails."""
+    command = ["agentjax", "bench", "kv-sim", *flags, "--out", str(out)]
     shown = " ".join(shlex.quote(part) for part in command).replace(str(out), "r.json")
-    print(f"[bench_kv_sim] {shown}", file=sys.stderr, flush=True)
+    print(f"[{tag}] {shown}", file=sys.stderr, flush=True)
     python = [sys.executable, "-c", "import sys; from agentjax.cli import main; sys.exit(main(sys.argv[1:]))"]
     done = subprocess.run(python + command[1:], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     if done.returncode:
         sys.exit(f"kv-sim failed (exit {done.returncode}): {shown}")
     return shown, json.loads(out.read_text())
+
+
+def run(args: argparse.Namespace, lanes: int, hbm: str, host: str, out: Path) -> tuple[str, dict]:
+    host_flags = ["--host-tokens", host] if host != "0" else []
+    return run_kv_sim(["--traces", args.traces, "--lanes", str(lanes), "--stagger", "10", "--hbm-tokens", hbm,
+                       "--policies", POLICIES, *host_flags], out, "bench_kv_sim")
 
 
 def _pct(value: float) -> str:
@@ -97,16 +103,6 @@ def machine_line(load_before: tuple, load_after: tuple) -> str:
     return (f"Machine: {os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, run on "
             f"{time.strftime('%Y-%m-%d')}. Load average {load_before[0]:.1f} at the start and {load_after[0]:.1f} "
             "at the end (the machine is shared): the seconds are noisy, the hit rates are exact.")
-
-
-def write_section(text: str, path: Path) -> None:
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        current = pattern.sub(lambda _: text + "\n", current)
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    path.write_text(current)
 
 
 def main() -> None:

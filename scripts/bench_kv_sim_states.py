@@ -13,16 +13,13 @@ peak share they held. Hit rates are deterministic; only the seconds depend on th
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kv_sim import machine_line  # noqa: E402
+from bench_kv_sim import machine_line, run_kv_sim  # noqa: E402
 from benchmarks_md import write_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,15 +34,8 @@ VARIANTS = [  # (label, extra flags)
 
 
 def run(args: argparse.Namespace, extra: list[str], out: Path) -> tuple[str, dict]:
-    command = ["agentjax", "bench", "kv-sim", "--traces", args.traces, "--lanes", str(args.lanes), "--stagger", "10",
-               "--hbm-tokens", args.hbm_tokens, "--policies", "lru", *extra, "--out", str(out)]
-    shown = " ".join(shlex.quote(part) for part in command).replace(str(out), "r.json")
-    print(f"[bench_kv_sim_states] {shown}", file=sys.stderr, flush=True)
-    python = [sys.executable, "-c", "import sys; from agentjax.cli import main; sys.exit(main(sys.argv[1:]))"]
-    done = subprocess.run(python + command[1:], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if done.returncode:
-        sys.exit(f"kv-sim failed (exit {done.returncode}): {shown}")
-    return shown, json.loads(out.read_text())
+    return run_kv_sim(["--traces", args.traces, "--lanes", str(args.lanes), "--stagger", "10", "--hbm-tokens",
+                       args.hbm_tokens, "--policies", "lru", *extra], out, "bench_kv_sim_states")
 
 
 def section(rows: list[tuple[str, str, dict]], machine: str) -> str:

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks_md import publish
+
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Streaming checkpoint loads"
 LAYOUTS = {"tp8": dict(tensor_parallel_size=8), "dep8": dict(data_parallel_size=8, enable_expert_parallel=True)}
@@ -163,13 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                  "cached).", "",
                  "| process | load s | pread / checkpoint | rchar / checkpoint | read_bytes / checkpoint | "
                  "RSS less device arrays GB |", "|---|---|---|---|---|---|", *shares]
-    text = "\n".join(body) + "\n"
-    print(text)
-    if args.write:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from benchmarks_md import write_section
-
-        write_section(text)
+    publish("\n".join(body) + "\n", args.write)
     return 0
 
 

@@ -19,14 +19,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks_md import write_section
+from benchmarks_md import publish
+from compile_timing import DEFINITIONS
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Tiny presets: compile and step time (CPU)"
 DEFAULT_PRESETS = "tiny-dense,tiny-sliding,tiny-minimax-m3,tiny-kimi-k3"
 
 MEASURE = r'''
-import json, statistics, sys, time
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from compile_timing import time_cases
 from agentjax.kv.cache_layout import kv_buffer_specs, state_group_ids
 from agentjax.models import load_model
 from agentjax.models.model_size import model_size
@@ -35,7 +38,6 @@ preset, repeats, numerics = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cfg, params, _ = load_model("preset:" + preset)
 runner = ModelRunner(cfg, params, num_pages=1024, page_size=16, numerics=numerics)
 groups, states = len(kv_buffer_specs(cfg, 16)), set(state_group_ids(cfg))
-greedy = (0.0, 0, 1.0, 0, 0)
 
 def tables(first_page, num_pages):
     pages = list(range(first_page, first_page + num_pages))
@@ -46,26 +48,15 @@ cases = {
     "prefill 512": [(list(range(100, 612)), 0, tables(1, 33))],
     "decode x8 at 512": [([5], 512, tables(1 + 40 * i, 39)) for i in range(8)],
 }
-out = {"params": model_size(cfg).total_params, "groups": groups, "cases": {}}
-for name, rows in cases.items():
-    started = time.perf_counter()
-    runner.execute(rows, [greedy] * len(rows))
-    first = time.perf_counter() - started
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        runner.execute(rows, [greedy] * len(rows))
-        times.append(time.perf_counter() - started)
-    step = statistics.median(times)
-    out["cases"][name] = {"compile_s": first - step, "step_s": step}
-print(json.dumps(out))
+print(json.dumps({"params": model_size(cfg).total_params, "groups": groups,
+                  "cases": time_cases(runner, cases, repeats)}))
 '''
 
 
 def measure(preset: str, repeats: int, numerics: str) -> dict:
     env = {**os.environ, "AGENTJAX_XLA_CACHE": "off"}
-    result = subprocess.run([sys.executable, "-c", MEASURE, preset, str(repeats), numerics], env=env,
-                            capture_output=True, text=True, check=True, cwd=REPO)
+    result = subprocess.run([sys.executable, "-c", MEASURE, preset, str(repeats), numerics, str(REPO / "scripts")],
+                            env=env, capture_output=True, text=True, check=True, cwd=REPO)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -85,16 +76,13 @@ def main() -> int:
              f"`python scripts/bench_presets.py --presets {args.presets} --repeats {args.repeats} "
              f"--numerics {args.numerics}` on {datetime.date.today()}, {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs (load average {load:.1f} at the end), XLA cache off, float32. One process per "
-             "preset. Compile = first call minus the steady median; step = median of the steady calls.", "",
+             "preset. " + DEFINITIONS, "",
              "| preset | parameters | KV groups | shape | compile | step |", "|---|---|---|---|---|---|"]
     for preset, result in results.items():
         for name, case in result["cases"].items():
             lines.append(f"| {preset} | {result['params'] / 1e6:.2f}M | {result['groups']} | {name} | "
                          f"{case['compile_s']:.1f} s | {case['step_s'] * 1e3:.1f} ms |")
-    body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        write_section(body)
+    publish("\n".join(lines), not args.no_write)
     return 0
 
 

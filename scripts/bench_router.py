@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from local_server import free_port, start_healthy  # noqa: E402
 from agentjax.bench.agentx import AgentxConfig, AgentxRun, load_sessions  # noqa: E402
 from agentjax.bench.backends import HttpBackend  # noqa: E402
 
@@ -43,27 +43,10 @@ SECTION = "## Router: sticky vs queue depth"
 CLI = [sys.executable, "-m", "agentjax.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start(argv: list[str], log_path: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([*argv, "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            sys.exit(f"{argv} exited with {process.returncode}; see {log_path}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        time.sleep(0.5)
-    process.kill()
-    sys.exit(f"{argv} did not become healthy in {timeout_s:.0f}s; see {log_path}")
+    process = start_healthy([*argv, "--port", str(port)], port, log_path, REPO, timeout_s=timeout_s)
+    return process, f"http://127.0.0.1:{port}"
 
 
 def stop(process: subprocess.Popen) -> None:

@@ -244,21 +244,6 @@ def ratio_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def write_md(text: str, path: Path = REPO / "BENCHMARKS.md") -> None:
-    """Replace the '## Scheduler' section (up to the next '## ' heading) or append it."""
-    body = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = body.splitlines(keepends=True)
-    start = next((i for i, l in enumerate(lines) if l.rstrip("\n") == SECTION), None)
-    new = text.rstrip("\n") + "\n"
-    if start is None:
-        body = body.rstrip("\n") + "\n\n" + new
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-        tail = "".join(lines[end:])
-        body = "".join(lines[:start]) + new + ("\n" + tail if tail else "")
-    path.write_text(body)
-
-
 def main(argv=None) -> int:
     _reexec_in_venv()
     a = parse_args(argv)
@@ -321,7 +306,10 @@ def main(argv=None) -> int:
                 print(f"[{name}] " + profile_agentjax(C, c, *loaded[name][::2]), file=sys.stderr)
     if a.write_md:
         rev = next((r["agentjax_rev"] for r in results if r.get("agentjax_rev")), rev)
-        write_md(section(a, argv, {name: (c, loaded[name][1]) for name, c in configs}, rows, tab, vver, rev))
+        from benchmarks_md import write_section
+
+        write_section(section(a, argv, {name: (c, loaded[name][1]) for name, c in configs}, rows, tab, vver, rev),
+                      REPO / "BENCHMARKS.md")
         print(f"wrote the {SECTION!r} section of {REPO / 'BENCHMARKS.md'}", file=sys.stderr)
     return 0
 

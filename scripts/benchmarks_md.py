@@ -4,19 +4,45 @@ A section runs from its `## ` heading to the next `## ` heading or the end of th
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 
 
+def _span(text: str, heading: str) -> tuple[int, int] | None:
+    """Where the section of `heading` starts in `text` and where it ends (-1: at the end of the text)."""
+    found = re.search(rf"^{re.escape(heading)}$", text, re.MULTILINE)  # the heading as a whole line
+    if found is None:
+        return None
+    return found.start(), text.find("\n## ", found.end())
+
+
+def section_lines(heading: str, path: Path = BENCHMARKS) -> list[str]:
+    """The lines of the section of `heading` as the file holds it now ([] if it has none), so a script can
+    keep rows an earlier run wrote."""
+    text = path.read_text() if path.exists() else ""
+    span = _span(text, heading)
+    if span is None:
+        return []
+    start, end = span
+    return (text[start:] if end < 0 else text[start:end]).splitlines()
+
+
 def write_section(body: str, path: Path = BENCHMARKS) -> None:
     """Put `body` (which starts with its own `## ` heading line) in place of the section of that heading."""
-    heading = body.splitlines()[0]
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if heading in text:
-        start = text.index(heading)
-        end = text.find("\n## ", start + len(heading))
+    span = _span(text, body.splitlines()[0])
+    if span is not None:
+        start, end = span
         text = text[:start] + body.rstrip("\n") + ("\n" + text[end:] if end >= 0 else "\n")
     else:
         text = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
     path.write_text(text)
+
+
+def publish(body: str, write: bool, path: Path = BENCHMARKS) -> None:
+    """Print a benchmark's section, and write it to BENCHMARKS.md unless the run asked not to."""
+    print(body)
+    if write:
+        write_section(body, path)

@@ -20,12 +20,10 @@ reply and frees its pages, and the next invocation resumes the conversation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +34,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from local_server import free_port, start_healthy  # noqa: E402
+
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.328"
 CODEX = "@openai/codex@0.169.0"
 MODEL = "preset:tiny-long"
@@ -53,38 +54,11 @@ class Harness:
     seconds: float = 0.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def npm_install(folder: Path) -> None:
-    if (folder / "node_modules" / "@openai" / "codex").exists() and \
-            (folder / "node_modules" / "@anthropic-ai" / "claude-code").exists():
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(folder), CLAUDE_CODE, CODEX],
-                   check=True, stdout=subprocess.DEVNULL)
-
-
 def start_server(log_path: Path, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "agentjax.cli", "--log-level", "INFO", "serve", "--model", MODEL,
                "--port", str(port)]
     print("server:", " ".join(command[1:]), flush=True)
-    process = subprocess.Popen(command, cwd=REPO, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    process.terminate()
-    raise SystemExit(f"the server did not start in 300 s; see {log_path}")
+    return start_healthy(command, port, log_path, REPO, timeout_s=300, poll_s=1)
 
 
 def access_entries(log_path: Path, start: int) -> tuple[list[dict], int]:

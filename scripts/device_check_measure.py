@@ -8,6 +8,8 @@ import json
 import time
 from pathlib import Path
 
+from call_timing import call_seconds
+
 class Recorder:
     """A check's figures, rewritten to its result file after every `record`, so a timeout keeps them."""
 
@@ -24,16 +26,8 @@ class Recorder:
 
 def timed(fn, *args, iters: int):
     """Median seconds of `fn(*args)` after a compile and a warm-up call."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    times = sorted(call_seconds(fn, *args, repeats=iters, warmups=2))
+    return times[len(times) // 2]
 
 
 def relative_error(got, want) -> float:

@@ -19,11 +19,12 @@ import torch
 
 VOCAB = 512
 
-# Fixture a's model shape (below), for the fixtures that differ from it only in their compression rates.
+# Fixture a's model shape (below), which the other small-width fixtures change in a few fields.
 DSV4_A_SHAPE = dict(
     max_position_embeddings=1024, hidden_size=64, num_hidden_layers=4,
     layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                  "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
     mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
     num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=32, o_groups=2,
     sliding_window=16, index_n_heads=4, index_head_dim=16, index_topk=8,
@@ -40,19 +41,7 @@ DSV4_FIXTURES = {
     "deepseek-v4-a": dict(
         # prompt_seed: a prompt without indexer ties (in the prompt or in the 24 cached steps); the "parting"
         # prompt is one where transformers' cached generate and its uncached forward part (at step 15).
-        seed=41, prompt_seed=3029, extra_prompt_seeds={"parting": 3004}, prompt_len=72,
-        max_position_embeddings=1024, hidden_size=64, num_hidden_layers=4,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=32, o_groups=2,
-        sliding_window=16, index_n_heads=4, index_head_dim=16, index_topk=8,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
-        swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
-        rope_theta=10000.0, compress_rope_theta=160000.0,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
-                         "beta_fast": 32.0, "beta_slow": 1.0},
+        DSV4_A_SHAPE, seed=41, prompt_seed=3029, extra_prompt_seeds={"parting": 3004}, prompt_len=72,
     ),
     # Pro's layer pattern (two HCA layers, then CSA at even and HCA at odd layers), other rates (CSA 8,
     # HCA 32), two hash layers, three residual streams, a clamp that binds (0.75), plain compress RoPE.
@@ -74,33 +63,20 @@ DSV4_FIXTURES = {
     # bos/eos ids set, a 20-token prompt; the "tie" prompt is one where transformers' indexer meets tied
     # scores at its top-k boundary (several entries exactly 0) and torch.topk's choice decides step 10.
     "deepseek-v4-c": dict(
-        seed=3, prompt_seed=307, extra_prompt_seeds={"tie": 302}, prompt_len=20, init="transformers",
-        initializer_range=0.08, max_position_embeddings=1024, hidden_size=64, num_hidden_layers=4,
+        DSV4_A_SHAPE, seed=3, prompt_seed=307, extra_prompt_seeds={"tie": 302}, prompt_len=20, init="transformers",
+        initializer_range=0.08,
         layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                      "compressed_sparse_attention"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=32, o_groups=2,
-        sliding_window=8, index_n_heads=4, index_head_dim=16, index_topk=6,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
-        swiglu_limit=10.0, hc_mult=2, hc_sinkhorn_iters=5, hc_eps=1e-6, rms_norm_eps=1e-6,
-        rope_theta=10000.0, compress_rope_theta=160000.0, rope_parameters=None, bos_token_id=0, eos_token_id=1,
+        sliding_window=8, index_topk=6, hc_mult=2, hc_sinkhorn_iters=5, rope_parameters=None, bos_token_id=0,
+        eos_token_id=1,
     ),
     # d: a sliding first layer, rates 4 and 32 (pages of 32 tokens), index top-k 5, three residual streams,
     # initializer_range 0.05, a 72-token prompt whose 18 CSA entries the indexer cuts to 5; transformers'
     # indexer meets ties at steps 8, 10, 14 and 20 and torch.topk's choice decides step 8.
     "deepseek-v4-d": dict(
-        seed=6, prompt_seed=613, prompt_len=72, init="transformers", initializer_range=0.05,
-        max_position_embeddings=1024, hidden_size=64, num_hidden_layers=4,
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                     "compressed_sparse_attention"],
+        DSV4_A_SHAPE, seed=6, prompt_seed=613, prompt_len=72, init="transformers", initializer_range=0.05,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
-        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=32, o_groups=2,
-        sliding_window=16, index_n_heads=4, index_head_dim=16, index_topk=5,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, routed_scaling_factor=2.5,
-        swiglu_limit=10.0, hc_mult=3, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
-        rope_theta=10000.0, compress_rope_theta=160000.0, rope_parameters=None, bos_token_id=0, eos_token_id=1,
+        index_topk=5, hc_mult=3, rope_parameters=None, bos_token_id=0, eos_token_id=1,
     ),
     # The heavily compressed rates of published checkpoints' shape (4 and 32, 4 and 128), which need KV pages
     # of 32 or 128 tokens for their entries: loaded with the default settings (agentjax/kv/layout.py); with a
@@ -254,14 +230,9 @@ class IndexerTieRecorder:
         return any(self.row_ties(s, row, position, rate, k) for s, rate, k in self.calls[call])
 
 
-def _top2_margin(logits: torch.Tensor) -> torch.Tensor:
-    top = torch.topk(logits, 2, dim=-1).values
-    return top[..., 0] - top[..., 1]
-
-
 @torch.no_grad()
 def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str, np.ndarray]:
-    from fuzz_parity_reference import greedy_generate
+    from fuzz_parity_reference import greedy_generate, top2_margins
 
     length = prompt.numel()
     ties = IndexerTieRecorder(model)
@@ -310,7 +281,7 @@ def reference_outputs(model, prompt: torch.Tensor, new_tokens: int) -> dict[str,
         "prompt_indexer_boundary_tie": np.asarray(prompt_ties),
         "generated_ids": generated.numpy().astype(np.int32),
         "generated_logits": step_logits.numpy().astype(np.float32),
-        "generated_margins": _top2_margin(step_logits).numpy().astype(np.float32),
+        "generated_margins": top2_margins(step_logits),
         "cached_indexer_boundary_tie": np.asarray(cached_ties),
         "uncached_step_ids": uncached.numpy().astype(np.int32),
         "uncached_indexer_boundary_tie": np.asarray(uncached_ties),

@@ -24,6 +24,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks_md import write_section  # noqa: E402
 from checkpoints.lazy_quant import LazyQuant  # noqa: E402
 from checkpoints.lazy_tensors import Lazy  # noqa: E402
 from checkpoints.quant_codecs import E4M3, E8M0, Codec  # noqa: E402
@@ -123,12 +124,8 @@ def main(argv=None) -> int:
         for layout in layouts:
             lines.append(row(preset, fmt, layout))
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
     if args.write:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from benchmarks_md import write_section
-
-        write_section(text)
+        write_section("\n".join(lines) + "\n")
     return 0
 
 

@@ -18,7 +18,8 @@ import torch
 MIN_MARGIN = 2e-3  # transformers' top-1 margin below which a greedy token may flip on rounding
 
 
-def _margins(logits: torch.Tensor) -> np.ndarray:
+def top2_margins(logits: torch.Tensor) -> np.ndarray:
+    """Top-1 minus top-2 logit per row (float32): how far a greedy token is from flipping."""
     top = torch.topk(logits, 2, dim=-1).values
     return (top[..., 0] - top[..., 1]).numpy().astype(np.float32)
 
@@ -135,7 +136,7 @@ def reference(model, prompt: torch.Tensor, new_tokens: int, count_ties: bool = F
         "prompt_logits": prompt_logits.numpy(),
         "generated_ids": generated.numpy().astype(np.int64),
         "generated_logits": step_logits.numpy(),
-        "margins": _margins(step_logits),
+        "margins": top2_margins(step_logits),
         "uncached_ids": uncached.argmax(-1).numpy().astype(np.int64),
         "uncached_max_abs_diff": float((uncached - step_logits).abs().max()),
     }

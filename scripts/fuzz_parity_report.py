@@ -6,7 +6,7 @@ import platform
 import re
 from collections import Counter
 
-from benchmarks_md import BENCHMARKS, write_section
+from benchmarks_md import BENCHMARKS, section_lines, write_section
 
 # Verdicts that are not agentjax bugs under the margin rule (see fuzz_parity.py's docstring).
 PASSING = ("match", "near-tie", "hf-paths-part", "indexer-tie")
@@ -99,14 +99,9 @@ def add_to_benchmarks(summary: dict) -> None:
            f"{v.get('hf-paths-part', 0)} / {v.get('indexer-tie', 0)}) | {summary['failing']} | "
            f"{summary['prompt_logits_over_tolerance']} | {summary['max_prompt_logit_diff']:.1e} | "
            f"{summary['loads'][0]:.1f} / {summary['loads'][1]:.1f} / {summary['loads'][2]:.1f} | {summary['date']} |")
-    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else ""
-    rows = []
-    if SECTION in text:
-        section = text[text.index(SECTION):]
-        end = section.find("\n## ", len(SECTION))
-        section = section if end < 0 else section[:end]
-        rows = [r for r in section.splitlines() if re.match(r"\| (deepseek-v4|kimi-linear|minimax-m3) \|", r)
-                and not r.startswith(f"| {summary['family']} | {summary['seed']} |")]
+    rows = [r for r in section_lines(SECTION, BENCHMARKS)
+            if re.match(r"\| (deepseek-v4|kimi-linear|minimax-m3) \|", r)
+            and not r.startswith(f"| {summary['family']} | {summary['seed']} |")]
     rows = sorted(rows + [row])
     body = [SECTION, "",
             "Random tiny configs per family (`scripts/fuzz_parity_configs.py`), each with a random prompt of 1-2,000 "

@@ -72,15 +72,20 @@ def groups_of(parser: argparse.ArgumentParser):
             yield group.title, group.description, actions
 
 
+def page_head(title: str, intro: str) -> list[str]:
+    """A generated page's first lines: the do-not-edit note, its title and its opening paragraph."""
+    return [GENERATED, "", f"# {title}", "", intro, ""]
+
+
 def configuration_reference() -> str:
     from agentjax.cli import build_parser, describe_default, subcommands
 
     parser = build_parser()
-    lines = [GENERATED, "", "# Configuration reference", "",
-             "Every flag of every `agentjax` command, with its default, as `--help` shows them (the same groups). "
-             "`LLM(...)` and `EngineConfig` take the engine flags (serve's Model, Cache, KV offload, Scheduler, "
-             "Parallel and Speculative decoding groups) by their names in snake case: `--max-num-seqs 32` is "
-             "`LLM(max_num_seqs=32)`.", ""]
+    lines = page_head("Configuration reference",
+                      "Every flag of every `agentjax` command, with its default, as `--help` shows them (the same "
+                      "groups). `LLM(...)` and `EngineConfig` take the engine flags (serve's Model, Cache, KV offload, "
+                      "Scheduler, Parallel and Speculative decoding groups) by their names in snake case: "
+                      "`--max-num-seqs 32` is `LLM(max_num_seqs=32)`.")
     commands = subcommands(parser)
     lines.append("Commands: " + ", ".join(f"[`agentjax {' '.join(c)}`](#agentjax-{'-'.join(c)})" for c in commands)
                  + ", and the [global flags](#global-flags) and [environment variables](#environment-variables).")
@@ -178,11 +183,12 @@ def _families(registry) -> dict[str, dict]:
 
 def metrics_reference() -> str:
     metrics = exported_metrics()
-    lines = [GENERATED, "", "# Metrics reference", "",
-             "`GET /metrics` is Prometheus text. Names follow vLLM's (`vllm:*` becomes `agentjax:*`); counters "
-             "end in `_total`, histograms add `_bucket`, `_sum` and `_count`. Gauges and engine counters are read "
-             "from the engine's latest stats at scrape time. A Grafana dashboard over these metrics is "
-             "[grafana/agentjax.json](grafana/agentjax.json) (import it and pick your Prometheus data source).", ""]
+    lines = page_head("Metrics reference",
+                      "`GET /metrics` is Prometheus text. Names follow vLLM's (`vllm:*` becomes `agentjax:*`); "
+                      "counters end in `_total`, histograms add `_bucket`, `_sum` and `_count`. Gauges and engine "
+                      "counters are read from the engine's latest stats at scrape time. A Grafana dashboard over "
+                      "these metrics is [grafana/agentjax.json](grafana/agentjax.json) (import it and pick your "
+                      "Prometheus data source).")
     for source, title in (("serve", "agentjax serve"), ("router", "agentjax router")):
         lines += [f"## {title}", "", "| metric | type | labels | exported | what it counts |", "|---|---|---|---|---|"]
         for metric in metrics[source]:

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 import dsv4_fixtures
 import fuzz_parity_configs
 from fixture_weights import TINY_VISION, mtp_tensor_shapes, random_value, randomize
-from fuzz_parity_reference import greedy_generate
+from fuzz_parity_reference import greedy_generate, top2_margins
 
 log = logging.getLogger("make_model_fixtures")
 NEW_TOKENS = 24
@@ -185,11 +185,6 @@ def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
             zf.writestr(info, buf.getvalue())
 
 
-def _top2_margin(logits: torch.Tensor) -> torch.Tensor:
-    top = torch.topk(logits, 2, dim=-1).values
-    return top[..., 0] - top[..., 1]
-
-
 @torch.no_grad()
 def reference_outputs(model, prompt: torch.Tensor) -> dict[str, np.ndarray]:
     prompt_logits = model(input_ids=prompt[None], use_cache=False).logits[0].float()
@@ -210,7 +205,7 @@ def reference_outputs(model, prompt: torch.Tensor) -> dict[str, np.ndarray]:
         "prompt_logits": prompt_logits.numpy().astype(np.float32),
         "generated_ids": generated.numpy().astype(np.int32),
         "generated_logits": step_logits.numpy().astype(np.float32),
-        "generated_margins": _top2_margin(step_logits).numpy().astype(np.float32),
+        "generated_margins": top2_margins(step_logits),
         "uncached_step_ids": uncached.numpy().astype(np.int32),
         "cached_uncached_agree": (uncached == generated).numpy(),
         "cached_uncached_max_abs_diff": np.asarray(max_abs_diff, np.float32),

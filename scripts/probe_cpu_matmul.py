@@ -19,7 +19,6 @@ import datetime
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,6 +31,7 @@ from agentjax.models.block_weights import BlockWeight, project  # noqa: E402
 from checkpoints.embedded import smollm2_path  # noqa: E402
 from checkpoints.gguf import load_gguf  # noqa: E402
 from scripts.benchmarks_md import write_section  # noqa: E402
+from scripts.call_timing import call_seconds  # noqa: E402
 
 SECTION = "## CPU matmul rates at decode shapes (SmolLM2-135M's MLP, probe)"
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -48,12 +48,7 @@ def mlp_weights(keep_blocks: bool) -> tuple:
 
 def timed(fn, args, repeats: int) -> tuple[float, float]:
     """(minimum, median) seconds of `fn(*args)` after one warm-up call (which compiles)."""
-    jax.block_until_ready(fn(*args))
-    seconds = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        seconds.append(time.perf_counter() - started)
+    seconds = call_seconds(fn, *args, repeats=repeats)
     return min(seconds), statistics.median(seconds)
 
 

@@ -23,7 +23,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # The per-thunk trace events of XLA:CPU exist only with this flag, read when the backend starts.
@@ -38,6 +37,7 @@ from agentjax.models.block_weights import HEAD_CHUNK_ROWS  # noqa: E402
 from agentjax.ragged_batch import RaggedBatch  # noqa: E402
 from agentjax.runner import make_step  # noqa: E402
 from scripts.benchmarks_md import write_section  # noqa: E402
+from scripts.call_timing import call_seconds  # noqa: E402
 
 SECTION = "## Where a CPU step's time goes (SmolLM2-135M, profile)"
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\][^\n]*?op_name=\"([^\"]*)\"", re.MULTILINE)
@@ -98,13 +98,7 @@ def profile(step, params, kv, batch, cfg, steps: int) -> tuple[float, dict[str, 
         logits, kv[0] = step(params, kv[0], batch)
         return logits
 
-    for _ in range(2):
-        jax.block_until_ready(run())
-    walls = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        jax.block_until_ready(run())
-        walls.append(time.perf_counter() - started)
+    walls = call_seconds(run, repeats=steps, warmups=2)
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder)
         for _ in range(steps):

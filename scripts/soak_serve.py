@@ -22,7 +22,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from local_server import free_port, start_healthy  # noqa: E402
 from agentjax.bench.agentx import DEFAULT_TRACES, AgentxConfig, AgentxRun, load_sessions  # noqa: E402
 from agentjax.bench.backends import HttpBackend, TurnRequest, _failed  # noqa: E402
 
@@ -120,12 +120,6 @@ class DisconnectingBackend(HttpBackend):
 
 
 # -- the run -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(args, work: Path, port: int, mooncake_address: str | None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "agentjax.cli", "--log-level", "INFO", "serve", "--model", args.model,
             "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len",
@@ -133,20 +127,7 @@ def start_server(args, work: Path, port: int, mooncake_address: str | None) -> s
             str(work / "kv"), "--disk-cache-gb", str(args.disk_cache_gb)]
     if mooncake_address:
         argv += ["--mooncake-master", mooncake_address, "--mooncake-segment-gb", "0.25"]
-    log = open(work / "server.log", "wb")
-    process = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {work / 'server.log'}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise SystemExit("the server did not become healthy in 600 s")
+    return start_healthy(argv, port, work / "server.log", REPO, timeout_s=600)
 
 
 class Soak:
@@ -285,15 +266,9 @@ def markdown(args, command: str, records: list, disconnects: int, soak: Soak, re
 
 
 def write_row(row: str, command: str, machine: str, path: Path) -> str:
-    from benchmarks_md import write_section
+    from benchmarks_md import section_lines, write_section
 
-    text = path.read_text() if path.exists() else ""
-    rows = []
-    if SECTION in text:
-        section = text[text.index(SECTION):]
-        end = section.find("\n## ", len(SECTION))
-        section = section if end < 0 else section[:end]
-        rows = [line for line in section.splitlines() if re.match(r"^\| \d{4}-\d\d-\d\d ", line)]
+    rows = [line for line in section_lines(SECTION, path) if re.match(r"^\| \d{4}-\d\d-\d\d ", line)]
     body = "\n".join([
         SECTION, "",
         "`scripts/soak_serve.py` starts `agentjax serve` with the host and disk KV tiers and a small device pool,",
