@@ -165,17 +165,8 @@ class LRUEvictionOrder:
             self._queue_pages[self._head:self._head + count] = new_pages
             self._queue_stamps[self._head:self._head + count] = new_stamps
             return
-        merged_pages = np.insert(self._queue_pages[self._head:self._tail], at, new_pages)
-        merged_stamps = np.insert(queued, at, new_stamps)
-        capacity = len(self._queue_pages)
-        while len(merged_pages) > capacity // 2:
-            capacity *= 2
-        if capacity != len(self._queue_pages):
-            self._queue_pages = np.zeros(capacity, dtype=np.int32)
-            self._queue_stamps = np.zeros(capacity, dtype=np.int64)
-        self._queue_pages[:len(merged_pages)] = merged_pages
-        self._queue_stamps[:len(merged_pages)] = merged_stamps
-        self._head, self._tail = 0, len(merged_pages)
+        self._refill(np.insert(self._queue_pages[self._head:self._tail], at, new_pages),
+                     np.insert(queued, at, new_stamps))
 
     def live_pages_in_order(self) -> np.ndarray:
         """The free pages, first victim first (for tests and debugging)."""
@@ -190,13 +181,17 @@ class LRUEvictionOrder:
         live_pages = self._queue_pages[self._head:self._tail]
         live_stamps = self._queue_stamps[self._head:self._tail]
         live = (self._ref_counts[live_pages] == 0) & (self._page_stamp[live_pages] == live_stamps)
-        live_pages, live_stamps = live_pages[live].copy(), live_stamps[live].copy()
+        self._refill(live_pages[live].copy(), live_stamps[live].copy(), incoming)
+
+    def _refill(self, pages: np.ndarray, stamps: np.ndarray, incoming: int = 0) -> None:
+        """The queue becomes `pages` (with their stamps) from index 0, its arrays doubled until at most
+        half full with `incoming` more entries."""
         capacity = len(self._queue_pages)
-        while len(live_pages) + incoming > capacity // 2:
+        while len(pages) + incoming > capacity // 2:
             capacity *= 2
         if capacity != len(self._queue_pages):
             self._queue_pages = np.zeros(capacity, dtype=np.int32)
             self._queue_stamps = np.zeros(capacity, dtype=np.int64)
-        self._queue_pages[:len(live_pages)] = live_pages
-        self._queue_stamps[:len(live_pages)] = live_stamps
-        self._head, self._tail = 0, len(live_pages)
+        self._queue_pages[:len(pages)] = pages
+        self._queue_stamps[:len(pages)] = stamps
+        self._head, self._tail = 0, len(pages)
