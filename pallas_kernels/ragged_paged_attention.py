@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kv_fp8 import load_rows, store_rows
+from pallas_kernels.online_softmax import fold_sink, online_softmax_init, online_softmax_result, online_softmax_step
 
 from agentjax.numerics import INVARIANT_ROW_BLOCK, map_row_blocks  # noqa: F401 (re-exported)
 
@@ -30,9 +31,48 @@ FAST_QUERY_BLOCK = 64
 SHARED_QUERY_BLOCK = 128
 SHARED_PAGES_PER_BLOCK = 8
 
-# Finite stand-in for -inf in the running max: a fully masked block then leaves the
-# accumulators exactly unchanged (exp(-inf - finite) == 0, exp(0) == 1) instead of making NaN.
-_NEG_LARGE = -1e30
+
+def causal_visible(key_position: Int[Array, " keys"], position: Int[Array, " queries"],
+                   sliding_window: int | None) -> Array:
+    """`[queries, keys]`: key j is visible to a query at `pos` when `j <= pos` and, with a window W, `j > pos - W`."""
+    visible = key_position[None, :] <= position[:, None]
+    if sliding_window is not None:
+        visible &= key_position[None, :] > position[:, None] - sliding_window
+    return visible
+
+
+def soft_capped(scores: Array, soft_cap: float | None) -> Array:
+    """`soft_cap * tanh(scores / soft_cap)`, or the scores as they are without a soft cap."""
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def blocked_table(table: Int[Array, "... max_pages"], pages_per_block: int, page_size: int):
+    """A page table (per token, or one shared 1-D table) padded with page 0 to whole blocks:
+    `(table, pages_per_block, num_blocks, block_tokens)` (a short table makes one smaller block)."""
+    max_pages = table.shape[-1]
+    pages_per_block = max(1, min(pages_per_block, max_pages))
+    pad = (-max_pages) % pages_per_block
+    if pad:
+        table = jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, pad)])
+    return table, pages_per_block, table.shape[-1] // pages_per_block, pages_per_block * page_size
+
+
+def skipping_hidden_blocks(attend_block, block_tokens: int, token_positions: Int[Array, " tokens"],
+                           sliding_window: int | None = None):
+    """A `fori_loop` body that runs `attend_block` only on key blocks some query here can see.
+
+    Blocks past the furthest query position, or wholly before the earliest query's window, are fully
+    masked for every query: skipping them is an exact no-op, so padded page tables, causal tails and
+    the released pages before a sliding window cost nothing.
+    """
+    last_position = token_positions.max()
+    first_visible = token_positions.min() - sliding_window + 1 if sliding_window is not None else 0
+
+    def body(block, carry):
+        needed = (block * block_tokens <= last_position) & ((block + 1) * block_tokens > first_visible)
+        return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
+
+    return body
 
 
 def write_kv(
@@ -82,8 +122,7 @@ def attend_paged(
     are then gathered once, not once per token. `fp8_kv`: the pages hold FP8 rows, dequantised as
     they are gathered.
     """
-    shared = token_page_table.ndim == 1
-    if shared:
+    if token_page_table.ndim == 1:
         return _attend_shared_table(q, kv_pages, layer, token_page_table, token_positions, sm_scale=sm_scale,
                                     sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
                                     pages_per_block=pages_per_block, fp8_kv=fp8_kv)
@@ -91,65 +130,25 @@ def attend_paged(
     _, _, page_size, kv2, _ = kv_pages.shape
     num_kv_heads = kv2 // 2
     group = num_heads // num_kv_heads
-    max_pages = token_page_table.shape[-1]
-    pages_per_block = max(1, min(pages_per_block, max_pages))
-    pad = (-max_pages) % pages_per_block
-    if pad:
-        token_page_table = jnp.pad(token_page_table, [(0, 0)] * (token_page_table.ndim - 1) + [(0, pad)])
-    num_blocks = token_page_table.shape[-1] // pages_per_block
-    block_tokens = pages_per_block * page_size
-
+    token_page_table, pages_per_block, num_blocks, block_tokens = blocked_table(
+        token_page_table, pages_per_block, page_size)
     qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, dim)
     offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
-    # Blocks past the furthest query position, or wholly before the earliest query's window, are
-    # fully masked for every token here: skip them (an exact no-op either way), so padded page
-    # tables, causal tails and the released pages before a sliding window cost nothing.
-    last_position = token_positions.max()
-    first_visible = token_positions.min() - sliding_window + 1 if sliding_window is not None else 0
-
-    def body(block, carry):
-        needed = (block * block_tokens <= last_position) & ((block + 1) * block_tokens > first_visible)
-        return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
-
     def attend_block(block, carry):
-        m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, -1)
-        kv = load_rows(kv_pages, (layer, pages), dim, fp8_kv)
-        kv = kv.reshape(1 if shared else num_tokens, block_tokens, kv2, dim)
+        kv = load_rows(kv_pages, (layer, pages), dim, fp8_kv).reshape(num_tokens, block_tokens, kv2, dim)
         k, v = kv[:, :, :num_kv_heads], kv[:, :, num_kv_heads:]
-        key_pos = block * block_tokens + offsets
-        visible = key_pos[None, :] <= token_positions[:, None]
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > (token_positions[:, None] - sliding_window)
-        scores = jnp.einsum("thgd,ushd->thgs", qg, k) if shared else jnp.einsum("thgd,tshd->thgs", qg, k)
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        visible = causal_visible(block * block_tokens + offsets, token_positions, sliding_window)
+        scores = soft_capped(jnp.einsum("thgd,tshd->thgs", qg, k), soft_cap)
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[..., None])
-        denom = denom * alpha + p.sum(axis=-1)
-        update = jnp.einsum("thgs,ushd->thgd", p, v) if shared else jnp.einsum("thgs,tshd->thgd", p, v)
-        acc = acc * alpha[..., None] + update
-        return m_new, denom, acc
+        return online_softmax_step(carry, scores, lambda p: jnp.einsum("thgs,tshd->thgd", p, v))
 
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), _NEG_LARGE, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, dim), jnp.float32),
-    )
-    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    body = skipping_hidden_blocks(attend_block, block_tokens, token_positions, sliding_window)
+    carry = jax.lax.fori_loop(0, num_blocks, body, online_softmax_init((num_tokens, num_kv_heads, group), dim))
     if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group)
-        m_final = jnp.maximum(m, sink)
-        alpha = jnp.exp(m - m_final)
-        denom = denom * alpha + jnp.exp(sink - m_final)
-        acc = acc * alpha[..., None]
-        m = m_final
-    # Padding tokens see no key at all; keep them finite.
-    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]
-    lse = jnp.where(denom == 0, -jnp.inf, m + jnp.log(jnp.where(denom == 0, 1.0, denom)))
+        carry = fold_sink(carry, sinks.astype(jnp.float32).reshape(1, num_kv_heads, group))
+    out, lse = online_softmax_result(carry)  # padding tokens see no key at all: out 0, LSE -inf
     return out.reshape(num_tokens, num_heads, dim).astype(q.dtype), lse.reshape(num_tokens, num_heads)
 
 
@@ -178,61 +177,28 @@ def _attend_shared_table(
     _, _, page_size, kv2, _ = kv_pages.shape
     num_kv_heads = kv2 // 2
     group = num_heads // num_kv_heads
-    max_pages = page_table.shape[0]
-    pages_per_block = max(1, min(pages_per_block, max_pages))
-    pad = (-max_pages) % pages_per_block
-    if pad:
-        page_table = jnp.pad(page_table, (0, pad))
-    num_blocks = page_table.shape[0] // pages_per_block
-    block_tokens = pages_per_block * page_size
+    page_table, pages_per_block, num_blocks, block_tokens = blocked_table(page_table, pages_per_block, page_size)
     rows = num_tokens * group  # row r is token r // group, query head (of its KV head) r % group
 
     q_heads = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, dim)
     q_heads = q_heads.transpose(1, 0, 2, 3).reshape(num_kv_heads, rows, dim)
     row_positions = jnp.repeat(token_positions, group)
     offsets = jnp.arange(block_tokens, dtype=jnp.int32)
-    last_position = token_positions.max()
-    first_visible = token_positions.min() - sliding_window + 1 if sliding_window is not None else 0
-
-    def body(block, carry):
-        needed = (block * block_tokens <= last_position) & ((block + 1) * block_tokens > first_visible)
-        return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
 
     def attend_block(block, carry):
-        m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(page_table, block * pages_per_block, pages_per_block)
         kv = load_rows(kv_pages, (layer, pages), dim, fp8_kv).reshape(block_tokens, kv2, dim).transpose(1, 0, 2)
         k, v = kv[:num_kv_heads], kv[num_kv_heads:]
-        key_pos = block * block_tokens + offsets
-        visible = key_pos[None, :] <= row_positions[:, None]
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > (row_positions[:, None] - sliding_window)
-        scores = jnp.einsum("hrd,hsd->hrs", q_heads, k)
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        visible = causal_visible(block * block_tokens + offsets, row_positions, sliding_window)
+        scores = soft_capped(jnp.einsum("hrd,hsd->hrs", q_heads, k), soft_cap)
         scores = jnp.where(visible[None], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[..., None])
-        denom = denom * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("hrs,hsd->hrd", p, v)
-        return m_new, denom, acc
+        return online_softmax_step(carry, scores, lambda p: jnp.einsum("hrs,hsd->hrd", p, v))
 
-    init = (
-        jnp.full((num_kv_heads, rows), _NEG_LARGE, jnp.float32),
-        jnp.zeros((num_kv_heads, rows), jnp.float32),
-        jnp.zeros((num_kv_heads, rows, dim), jnp.float32),
-    )
-    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    body = skipping_hidden_blocks(attend_block, block_tokens, token_positions, sliding_window)
+    carry = jax.lax.fori_loop(0, num_blocks, body, online_softmax_init((num_kv_heads, rows), dim))
     if sinks is not None:
-        sink = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, num_tokens))
-        m_final = jnp.maximum(m, sink)
-        alpha = jnp.exp(m - m_final)
-        denom = denom * alpha + jnp.exp(sink - m_final)
-        acc = acc * alpha[..., None]
-        m = m_final
-    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]
-    lse = jnp.where(denom == 0, -jnp.inf, m + jnp.log(jnp.where(denom == 0, 1.0, denom)))
+        carry = fold_sink(carry, jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, num_tokens)))
+    out, lse = online_softmax_result(carry)
     out = out.reshape(num_kv_heads, num_tokens, group, dim).transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, dim)
     lse = lse.reshape(num_kv_heads, num_tokens, group).transpose(1, 0, 2).reshape(num_tokens, num_heads)
     return out.astype(q.dtype), lse
