@@ -20,10 +20,9 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.dsv4_indexer_kernels import _check_tiles, _lanes
+from pallas_kernels.online_softmax import online_softmax_init, online_softmax_step
 from pallas_kernels.ragged_work import next_power_of_two
-
-_NEG_LARGE = -1e30
+from pallas_kernels.triton_call import check_tiles, lanes, page_rows, spare_rows, store_index, triton_call
 
 
 def _compressed_attention_kernel(
@@ -37,8 +36,8 @@ def _compressed_attention_kernel(
     head = head_tile * head_block + jnp.arange(head_block, dtype=jnp.int32)
     head_used = head < num_heads
     head = jnp.where(head_used, head, 0)
-    store_head = jnp.where(head_used, head, out_ref.shape[1] - 1) if interpret else head
-    lane, lane_used = _lanes(dim)
+    store_head = store_index(head, head_used, out_ref.shape[1] - 1, interpret)
+    lane, lane_used = lanes(dim)
     token_rows = jnp.full((head_block, 1), token, jnp.int32)
     q = plt.load(q_ref.at[token_rows, head[:, None], lane[None, :]], mask=head_used[:, None] & lane_used[None, :],
                  other=0)
@@ -47,22 +46,13 @@ def _compressed_attention_kernel(
 
     def load_rows(rows_ref, table_ref, slot, pages_per_slot, rows_per_page, index, used):
         """Rows at per-sequence row `index` (a position, or an entry id) through the page table."""
-        index = jnp.where(used, index, 0)
-        page_slot = jnp.clip(index // rows_per_page, 0, table_ref.shape[1] - 1)
-        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=used, other=0)
-        flat = (slot * pages_per_slot + page) * rows_per_page + index % rows_per_page
+        flat = page_rows(table_ref, seq, jnp.where(used, index, 0), used, slot, pages_per_slot, rows_per_page)
         rows = plt.load(rows_ref.at[flat[:, None], lane[None, :]], mask=used[:, None] & lane_used[None, :], other=0)
         return rows.astype(q.dtype)
 
     def update(carry, rows, used):
-        m, denom, acc = carry
-        scores = plt.dot(q, rows, trans_b=True, **precise) * sm_scale
-        scores = jnp.where(used[None, :], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[:, None])
-        return m_new, denom * alpha + p.sum(axis=1), acc * alpha[:, None] + plt.dot(p.astype(rows.dtype), rows,
-                                                                                     **precise)
+        scores = jnp.where(used[None, :], plt.dot(q, rows, trans_b=True, **precise) * sm_scale, -jnp.inf)
+        return online_softmax_step(carry, scores, lambda p: plt.dot(p.astype(rows.dtype), rows, **precise))
 
     def window_tile(index, carry):
         offset = index * kv_block + offsets
@@ -72,9 +62,7 @@ def _compressed_attention_kernel(
                          key_position, used)
         return update(carry, rows, used)
 
-    carry = (jnp.full((head_block,), _NEG_LARGE, jnp.float32), jnp.zeros((head_block,), jnp.float32),
-             jnp.zeros((head_block, lane.shape[0]), jnp.float32))
-    carry = jax.lax.fori_loop(0, -(-window // kv_block), window_tile, carry)
+    carry = jax.lax.fori_loop(0, -(-window // kv_block), window_tile, online_softmax_init((head_block,), lane.shape[0]))
     if mode == "selected":  # CSA: the indexer's picks, -1 = none
         width = selected_ref.shape[1]
 
@@ -137,7 +125,7 @@ def sliding_compressed_attention_kernel(
     num_tokens, num_heads, dim = q.shape
     num_slots, num_window_pages, page_size, row_dim = window_pages.shape
     head_block = head_block or max(16, next_power_of_two(min(num_heads, 64)))
-    _check_tiles("sliding_compressed_attention_kernel", head_block=head_block, kv_block=kv_block)
+    check_tiles("sliding_compressed_attention_kernel", dict(head_block=head_block, kv_block=kv_block))
     if row_dim != dim or sinks.shape != (num_heads,):
         raise KernelShapeError(f"sliding_compressed_attention_kernel: q {q.shape}, window pages {window_pages.shape} "
                                f"and sinks {sinks.shape} do not fit")
@@ -159,14 +147,11 @@ def sliding_compressed_attention_kernel(
         window=int(window), page_size=page_size, num_window_pages=num_window_pages, per_page=per_page,
         num_entry_pages=num_entry_pages, ratio=int(ratio), entry_capacity=entry_page_indices.shape[1] * per_page,
         dim=dim, sm_scale=float(sm_scale), interpret=bool(interpret))
-    spare = 1 if interpret else 0
-    out = pl.pallas_call(
+    out = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens, num_heads + spare, dim), q.dtype),
-        grid=(num_tokens, pl.cdiv(num_heads, head_block)),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"dsv4_{mode}_attention",
+        out_shape=jax.ShapeDtypeStruct((num_tokens, num_heads + spare_rows(interpret), dim), q.dtype),
+        grid=(num_tokens, pl.cdiv(num_heads, head_block)), name=f"dsv4_{mode}_attention", num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
     )(jnp.asarray(window_slot, jnp.int32).reshape(1), jnp.asarray(entry_slot, jnp.int32).reshape(1),
       token_seq_ids.astype(jnp.int32), token_positions.astype(jnp.int32), window_page_indices.astype(jnp.int32),
       entry_page_indices.astype(jnp.int32), selected.astype(jnp.int32), selected_tiles, sinks.astype(jnp.float32), q,

@@ -15,6 +15,7 @@ on a GPU; interpret mode on a CPU (the CPU runner never uses these kernels).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +27,10 @@ from agentjax.errors import KernelShapeError
 from pallas_kernels import kda, kda_states
 from pallas_kernels.kda_recurrence import read_states, row_spans
 from pallas_kernels.ragged_work import next_power_of_two
+from pallas_kernels.triton_call import lanes, spare_rows, triton_call
 
 # Tokens per chunk of the chunked kernel: the smallest dot a Triton kernel takes.
 KERNEL_CHUNK = 16
-
-
-def _lanes(count: int, minimum: int = 1) -> tuple[Array, Array]:
-    lane = jnp.arange(max(minimum, next_power_of_two(count)), dtype=jnp.int32)
-    return lane, lane < count
 
 
 def _state_tile(head, dim, key_lane, value_lane):
@@ -41,22 +38,47 @@ def _state_tile(head, dim, key_lane, value_lane):
     return head * dim * dim + key_lane[:, None] * dim + value_lane[None, :]
 
 
-def _decode_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                   pages_in_ref, out_ref, pages_ref, *, dim, value_block, num_pages):
-    del pages_in_ref  # aliased with pages_ref
+def _row_program(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, pages_ref, *, dim, value_block, num_pages,
+                 key_lanes_at_least):
+    """This program's row, head and block of value channels, and its state block read from the row's page
+    (zeros for a row that starts at 0 or holds no token)."""
     row, head, value_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first, end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
     has_token = end > first
     resumes = kv_lens_ref[row] - (end - first) > 0
     page = slot_ref[0] * num_pages + page_ids_ref[row]
-    token = jnp.where(has_token, first, out_ref.shape[0] - 1)  # a row without a token stores nothing
-
-    key_lane, key_used = _lanes(dim)
+    key_lane, key_used = lanes(dim, minimum=key_lanes_at_least)
     value_lane = value_tile * value_block + jnp.arange(value_block, dtype=jnp.int32)
     value_used = value_lane < dim
     tile_used = key_used[:, None] & value_used[None, :]
     tile = _state_tile(head, dim, key_lane, value_lane)
     state = plt.load(pages_ref.at[page, tile], mask=tile_used & has_token & resumes, other=0.0)
+    return _RowProgram(head, first, end, has_token, page, key_lane, key_used, value_lane, value_used, tile,
+                       tile_used, state)
+
+
+class _RowProgram(NamedTuple):
+    head: Array
+    first: Array
+    end: Array
+    has_token: Array
+    page: Array
+    key_lane: Array
+    key_used: Array
+    value_lane: Array
+    value_used: Array
+    tile: Array
+    tile_used: Array
+    state: Array
+
+
+def _decode_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                   pages_in_ref, out_ref, pages_ref, *, dim, value_block, num_pages):
+    del pages_in_ref  # aliased with pages_ref
+    (head, first, _, has_token, page, key_lane, key_used, value_lane, value_used, tile, tile_used,
+     state) = _row_program(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, pages_ref, dim=dim,
+                           value_block=value_block, num_pages=num_pages, key_lanes_at_least=1)
+    token = jnp.where(has_token, first, out_ref.shape[0] - 1)  # a row without a token stores nothing
 
     def vector(ref, lane, used):
         return plt.load(ref.at[token, head, lane], mask=used & has_token, other=0.0).astype(jnp.float32)
@@ -77,18 +99,9 @@ def _decode_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_
 def _chunk_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                   pages_in_ref, out_ref, pages_ref, *, dim, value_block, chunk, num_pages):
     del pages_in_ref  # aliased with pages_ref
-    row, head, value_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    first, end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
-    has_token = end > first
-    resumes = kv_lens_ref[row] - (end - first) > 0
-    page = slot_ref[0] * num_pages + page_ids_ref[row]
-
-    key_lane, key_used = _lanes(dim, 16)
-    value_lane = value_tile * value_block + jnp.arange(value_block, dtype=jnp.int32)
-    value_used = value_lane < dim
-    tile_used = key_used[:, None] & value_used[None, :]
-    tile = _state_tile(head, dim, key_lane, value_lane)
-    state = plt.load(pages_ref.at[page, tile], mask=tile_used & has_token & resumes, other=0.0)
+    (head, first, end, has_token, page, key_lane, key_used, value_lane, value_used, tile, tile_used,
+     state) = _row_program(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, pages_ref, dim=dim,
+                           value_block=value_block, num_pages=num_pages, key_lanes_at_least=16)
 
     position = jnp.arange(chunk, dtype=jnp.int32)
     later = position[:, None] > position[None, :]  # [r, s]: s strictly before r
@@ -189,17 +202,14 @@ def delta_rule_kernel(
     options = dict(dim=dim, value_block=value_block, num_pages=num_pages)
     kernel = (functools.partial(_decode_kernel, **options) if decode
               else functools.partial(_chunk_kernel, chunk=KERNEL_CHUNK, **options))
-    spare = 1 if interpret else 0  # a token row for masked stores to land on in interpret mode
+    spare = spare_rows(interpret)
     pad = lambda x: jnp.pad(x, [(0, spare)] + [(0, 0)] * (x.ndim - 1)) if spare else x  # noqa: E731
-    out, pages = pl.pallas_call(
+    out, pages = triton_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((num_tokens + spare, num_heads, dim), jnp.float32),
                    jax.ShapeDtypeStruct((num_slots * num_pages, size), jnp.float32)),
-        grid=(num_seqs, num_heads, pl.cdiv(dim, value_block)),
-        input_output_aliases={9: 1},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kda_decode_step" if decode else "kda_chunk_scan",
+        grid=(num_seqs, num_heads, pl.cdiv(dim, value_block)), name="kda_decode_step" if decode else "kda_chunk_scan",
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, input_output_aliases={9: 1},
     )(
         jnp.asarray(slot, jnp.int32).reshape(1), cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
         state_page_ids.astype(jnp.int32), *(pad(x.astype(jnp.float32)) for x in (q, k, v, g, beta)),

@@ -11,6 +11,8 @@ Triton backend on Hopper and Blackwell and runs in interpret mode on a CPU.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -73,6 +75,40 @@ def skipping_hidden_blocks(attend_block, block_tokens: int, token_positions: Int
         return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
 
     return body
+
+
+def over_query_blocks(fn, *arrays, batch_invariant: bool, block: int = FAST_QUERY_BLOCK, fence: bool = False):
+    """`fn` over row blocks of `arrays` (a row per query token): agentjax.numerics' fixed blocks in
+    batch-invariant numerics, else blocks of `block` rows. `fence` wraps the batch-invariant blocks in
+    optimization barriers, since a one-block loop would otherwise be inlined and fused with its
+    neighbours (other roundings)."""
+    if batch_invariant and fence:
+        return jax.lax.optimization_barrier(map_row_blocks(fn, *jax.lax.optimization_barrier(arrays)))
+    if batch_invariant:
+        return map_row_blocks(fn, *arrays)
+    return map_row_blocks(fn, *arrays, block=max(1, min(block, arrays[0].shape[0])))
+
+
+def attend_by_query_blocks(attend, q, page_indices, token_seq_ids, token_positions, *, batch_invariant: bool,
+                           block: int = FAST_QUERY_BLOCK, attend_shared=None):
+    """`attend(q_rows, table_rows, position_rows)` over blocks of query tokens, each token with its row's
+    page table. Batch-invariant numerics: fixed blocks, every token alone. Otherwise blocks of `block`
+    tokens, and a block whose tokens are all of one sequence runs `attend_shared` (default `attend`)
+    with that one 1-D table, so its pages are gathered once."""
+    token_tables = page_indices[token_seq_ids]
+    if batch_invariant:
+        return map_row_blocks(attend, q, token_tables, token_positions)
+    attend_shared = attend_shared or attend
+
+    def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
+        return jax.lax.cond(
+            jnp.all(seq_rows == seq_rows[0]),
+            lambda: attend_shared(q_rows, table_rows[0], position_rows),
+            lambda: attend(q_rows, table_rows, position_rows),
+        )
+
+    return over_query_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids,
+                             batch_invariant=False, block=block)
 
 
 def write_kv(
@@ -242,27 +278,13 @@ def ragged_paged_attention(
     del kv_lens, cu_q_lens, distribution  # encoded in the per-token metadata
     kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping, fp8_kv)
 
-    def attend(q_rows, table_rows, position_rows):
+    def attend(q_rows, table_rows, position_rows, pages_per_block=4):
         return attend_paged(
             q_rows, kv_pages, layer, table_rows, position_rows, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, sinks=sinks, fp8_kv=fp8_kv,
+            soft_cap=soft_cap, sinks=sinks, pages_per_block=pages_per_block, fp8_kv=fp8_kv,
         )
 
-    token_tables = page_indices[token_seq_ids]
-    if batch_invariant:
-        out, lse = map_row_blocks(attend, q, token_tables, token_positions)
-        return (out, kv_pages, lse) if return_lse else (out, kv_pages)
-
-    def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
-        # A block of one sequence's tokens (a prefill chunk) gathers its pages once, head-major.
-        return jax.lax.cond(
-            jnp.all(seq_rows == seq_rows[0]),
-            lambda: attend_paged(q_rows, kv_pages, layer, table_rows[0], position_rows, sm_scale=sm_scale,
-                                 sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                                 pages_per_block=SHARED_PAGES_PER_BLOCK, fp8_kv=fp8_kv),
-            lambda: attend(q_rows, table_rows, position_rows),
-        )
-
-    block = min(SHARED_QUERY_BLOCK, q.shape[0])
-    out, lse = map_row_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids, block=block)
+    out, lse = attend_by_query_blocks(
+        attend, q, page_indices, token_seq_ids, token_positions, batch_invariant=batch_invariant,
+        block=SHARED_QUERY_BLOCK, attend_shared=functools.partial(attend, pages_per_block=SHARED_PAGES_PER_BLOCK))
     return (out, kv_pages, lse) if return_lse else (out, kv_pages)
