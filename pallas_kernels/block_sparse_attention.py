@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kv_fp8 import load_rows
 from pallas_kernels.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
-from pallas_kernels.ragged_paged_attention import over_query_blocks, write_kv
+from pallas_kernels.ragged_paged_attention import over_query_blocks, write_kv, write_rows
 
 # Key positions scored per iteration of the indexer (rounded to whole pages and whole blocks).
 INDEX_CHUNK_TOKENS = 64
@@ -33,10 +33,7 @@ def write_index_keys(
     slot_mapping: Int[Array, " tokens"],
 ) -> Float[Array, "slots pages page_size dim"]:
     """Scatter one layer's new indexer keys into their entries (`page * page_size + offset`)."""
-    num_slots, num_pages, page_size, dim = index_pages.shape
-    flat = index_pages.reshape(num_slots, num_pages * page_size, dim)
-    flat = flat.at[slot, slot_mapping].set(keys.astype(flat.dtype), mode="drop")
-    return flat.reshape(index_pages.shape)
+    return write_rows(index_pages, slot, keys, slot_mapping)
 
 
 def _chunk_pages(page_size: int, block_size: int) -> int:
@@ -116,13 +113,13 @@ def index_select_blocks(
     index_pages: Float[Array, "slots pages page_size dim"],
     page_indices: Int[Array, "seqs max_pages"],
     *,
-    slot: int,
-    token_seq_ids: Int[Array, " tokens"],
+    slot: int | Array,
     token_positions: Int[Array, " tokens"],
     slot_mapping: Int[Array, " tokens"],
     block_size: int,
     topk_blocks: int,
     local_blocks: int,
+    token_seq_ids: Int[Array, " tokens"] | None = None,
     batch_invariant: bool = False,
     kv_lens: Int[Array, " seqs"] | None = None,
     cu_q_lens: Int[Array, " seqs_plus_1"] | None = None,
@@ -222,15 +219,25 @@ def block_sparse_attention(
     block_size: int,
     batch_invariant: bool = False,
     fp8_kv: bool = False,
+    attend=None,
+    **attend_options,
 ) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "slots pages page_size kv2 dim"]]:
     """Write this step's K/V into slot `slot`'s pages, then attend over the selected blocks:
     `(out, kv_pages)`. `selected` comes from `index_select_blocks` (-1: no block). `fp8_kv`: the pages
-    hold FP8 rows (pallas_kernels/kv_fp8.py)."""
+    hold FP8 rows (pallas_kernels/kv_fp8.py). `attend`: a kernel instead of the reference,
+    `attend(q, kv_pages, page_indices, selected, token_seq_ids, token_positions, slot=, sm_scale=,
+    block_size=, **attend_options)` (each token's arithmetic is its own: `batch_invariant` is moot)."""
     kv_pages = write_kv(kv_pages, slot, k, v, slot_mapping, fp8_kv)
+    if attend is not None:
+        return attend(q, kv_pages, page_indices, selected, token_seq_ids, token_positions, slot=slot,
+                      sm_scale=sm_scale, block_size=block_size, **attend_options), kv_pages
+    if attend_options:
+        raise TypeError(f"block_sparse_attention: unexpected keyword arguments {sorted(attend_options)}")
 
-    def attend(q_rows, table_rows, position_rows, selected_rows):
+    def attend_rows(q_rows, table_rows, position_rows, selected_rows):
         return sparse_attend_paged(q_rows, kv_pages, slot, table_rows, position_rows, selected_rows,
                                    sm_scale=sm_scale, block_size=block_size, fp8_kv=fp8_kv)
 
     tables = page_indices[token_seq_ids]
-    return over_query_blocks(attend, q, tables, token_positions, selected, batch_invariant=batch_invariant), kv_pages
+    return over_query_blocks(attend_rows, q, tables, token_positions, selected,
+                             batch_invariant=batch_invariant), kv_pages

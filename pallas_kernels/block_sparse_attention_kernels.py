@@ -22,12 +22,13 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.block_sparse_attention import write_index_keys
+from pallas_kernels.block_sparse_attention import block_sparse_attention, index_select_blocks, write_index_keys
 from pallas_kernels.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
-from pallas_kernels.ragged_paged_attention import causal_visible, write_kv
+from pallas_kernels.ragged_paged_attention import causal_visible
 from pallas_kernels.ragged_work import next_power_of_two, work_items
 from pallas_kernels.triton_call import (
-    check_tiles, item_rows, lanes, page_rows, query_positions, ragged_operands, spare_rows, store_index, triton_call,
+    check_tiles, contract_arguments, item_rows, lanes, page_rows, query_positions, ragged_operands, spare_rows,
+    store_index, triton_call,
 )
 
 _NO_BLOCK = 2**30  # larger than any block id
@@ -192,34 +193,17 @@ def top_blocks_kernel(
     return jnp.where(real, selected[:num_tokens], -1)
 
 
-def index_select_blocks_kernel(
-    q: Float[Array, "tokens index_heads dim"],
-    k: Float[Array, "tokens dim"],
-    index_pages: Float[Array, "slots pages page_size dim"],
-    page_indices: Int[Array, "seqs max_pages"],
-    *,
-    slot: int | Array,
-    token_positions: Int[Array, " tokens"],
-    slot_mapping: Int[Array, " tokens"],
-    kv_lens: Int[Array, " seqs"],
-    cu_q_lens: Int[Array, " seqs_plus_1"],
-    block_size: int,
-    topk_blocks: int,
-    local_blocks: int,
-    token_seq_ids: Int[Array, " tokens"] | None = None,
-    batch_invariant: bool = False,
-    interpret: bool = False,
-    score_options: dict | None = None,
-    select_options: dict | None = None,
-) -> tuple[Int[Array, "tokens index_heads topk"], Float[Array, "slots pages page_size dim"]]:
-    """`index_select_blocks`' contract (write the indexer keys, select) as the two kernels; padding
-    tokens (past `cu_q_lens[-1]`) get -1. A query's selection depends only on its own scores."""
-    del token_seq_ids, batch_invariant
-    index_pages = write_index_keys(index_pages, slot, k, slot_mapping)
-    scores = block_scores_kernel(q, index_pages, kv_lens, page_indices, cu_q_lens, slot=slot, block_size=block_size,
-                                 interpret=interpret, **(score_options or {}))
-    selected = top_blocks_kernel(scores, token_positions, cu_q_lens[-1], block_size=block_size,
-                                 topk_blocks=topk_blocks, local_blocks=local_blocks, interpret=interpret,
+def index_select_blocks_kernel(*args, interpret: bool = False, score_options: dict | None = None,
+                               select_options: dict | None = None, **kwargs):
+    """`index_select_blocks`' contract (its arguments: write the indexer keys, select) as the two kernels,
+    which need the rows' `kv_lens` and `cu_q_lens`; padding tokens (past `cu_q_lens[-1]`) get -1. A
+    query's selection depends only on its own scores."""
+    call, _ = contract_arguments(index_select_blocks, args, kwargs, tuning=False)
+    index_pages = write_index_keys(call.index_pages, call.slot, call.k, call.slot_mapping)
+    scores = block_scores_kernel(call.q, index_pages, call.kv_lens, call.page_indices, call.cu_q_lens, slot=call.slot,
+                                 block_size=call.block_size, interpret=interpret, **(score_options or {}))
+    selected = top_blocks_kernel(scores, call.token_positions, call.cu_q_lens[-1], block_size=call.block_size,
+                                 topk_blocks=call.topk_blocks, local_blocks=call.local_blocks, interpret=interpret,
                                  **(select_options or {}))
     return selected, index_pages
 
@@ -308,28 +292,9 @@ def sparse_attention_kernel(
     return out[:, :num_heads]
 
 
-def block_sparse_attention_kernel(
-    q: Float[Array, "tokens heads dim"],
-    k: Float[Array, "tokens kv_heads dim"],
-    v: Float[Array, "tokens kv_heads dim"],
-    kv_pages: Float[Array, "slots pages page_size kv2 dim"],
-    page_indices: Int[Array, "seqs max_pages"],
-    selected: Int[Array, "tokens index_heads topk"],
-    *,
-    slot: int | Array,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
-    slot_mapping: Int[Array, " tokens"],
-    sm_scale: float,
-    block_size: int,
-    batch_invariant: bool = False,
-    interpret: bool = False,
-    **options,
-) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "slots pages page_size kv2 dim"]]:
+def block_sparse_attention_kernel(*args, interpret: bool = False, **kwargs):
     """`block_sparse_attention`'s contract (write K/V, attend over the selected blocks) with the
-    attention as one kernel. Each token's arithmetic depends only on its own query and blocks."""
-    del batch_invariant
-    kv_pages = write_kv(kv_pages, slot, k, v, slot_mapping)
-    out = sparse_attention_kernel(q, kv_pages, page_indices, selected, token_seq_ids, token_positions, slot=slot,
-                                  sm_scale=sm_scale, block_size=block_size, interpret=interpret, **options)
-    return out, kv_pages
+    attention as one kernel (`sparse_attention_kernel`, whose tuning keywords it takes). Each token's
+    arithmetic depends only on its own query and blocks."""
+    return block_sparse_attention(*args, attend=functools.partial(sparse_attention_kernel, interpret=interpret),
+                                  **kwargs)

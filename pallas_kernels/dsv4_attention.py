@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.online_softmax import fold_sink, online_softmax_init, online_softmax_result, online_softmax_step
-from pallas_kernels.ragged_paged_attention import over_query_blocks
+from pallas_kernels.ragged_paged_attention import over_query_blocks, write_rows
 
 # Compressed entries scored or attended per loop iteration (rounded to whole pages).
 ENTRY_CHUNK = 64
@@ -27,19 +27,6 @@ ENTRY_CHUNK = 64
 def _row_blocks(fn, *arrays, batch_invariant: bool):
     """`fn` over query row blocks, the batch-invariant ones fenced (see `over_query_blocks`)."""
     return over_query_blocks(fn, *arrays, batch_invariant=batch_invariant, fence=True)
-
-
-def write_rows(
-    pages: Float[Array, "slots pages page_size width"],
-    slot: Int[Array, ""],
-    rows: Float[Array, "tokens width"],
-    slot_mapping: Int[Array, " tokens"],
-) -> Float[Array, "slots pages page_size width"]:
-    """Scatter one layer's per-token rows to `page * page_size + offset` (padding tokens: page 0)."""
-    num_slots, num_pages, page_size, width = pages.shape
-    flat = pages.reshape(num_slots, num_pages * page_size, width)
-    flat = flat.at[slot, slot_mapping].set(rows.astype(flat.dtype), mode="drop")
-    return flat.reshape(pages.shape)
 
 
 def write_entries(

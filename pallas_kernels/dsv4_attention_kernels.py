@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
+from pallas_kernels import dsv4_attention as reference
 from pallas_kernels.online_softmax import online_softmax_init, online_softmax_step
 from pallas_kernels.ragged_work import next_power_of_two
-from pallas_kernels.triton_call import check_tiles, lanes, page_rows, spare_rows, store_index, triton_call
+from pallas_kernels.triton_call import (
+    check_tiles, contract_arguments, lanes, page_rows, spare_rows, store_index, triton_call,
+)
 
 
 def _compressed_attention_kernel(
@@ -94,34 +96,15 @@ def _compressed_attention_kernel(
               mask=head_used[:, None] & lane_used[None, :])
 
 
-def sliding_compressed_attention_kernel(
-    q: Float[Array, "tokens heads dim"],
-    window_pages: Float[Array, "slots pages page_size dim"],
-    window_slot: Int[Array, ""],
-    window_page_indices: Int[Array, "seqs max_pages"],
-    sinks: Float[Array, " heads"],
-    *,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
-    window: int,
-    sm_scale: float,
-    entry_pages: Float[Array, "slots pages entries_per_page dim"] | None = None,
-    entry_slot: Int[Array, ""] | None = None,
-    entry_page_indices: Int[Array, "seqs max_pages"] | None = None,
-    ratio: int = 1,
-    selected: Int[Array, "tokens topk"] | None = None,
-    batch_invariant: bool = False,
-    head_block: int | None = None,
-    kv_block: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    interpret: bool = False,
-) -> Float[Array, "tokens heads dim"]:
-    """`dsv4_attention.sliding_compressed_attention`'s contract as one kernel: the pages already hold
-    this step's rows and entries. `head_block` query heads per program (a power of two >= 16;
+def sliding_compressed_attention_kernel(*args, head_block: int | None = None, kv_block: int = 64,
+                                        num_warps: int = 4, num_stages: int = 2, interpret: bool = False, **kwargs):
+    """`dsv4_attention.sliding_compressed_attention`'s contract (its arguments) as one kernel: the pages
+    already hold this step's rows and entries. `head_block` query heads per program (a power of two >= 16;
     default min(heads, 64) rounded up), `kv_block` rows per step. Each token's arithmetic depends
     only on its own query, rows and selection, so batch-invariant numerics need nothing more."""
-    del batch_invariant
+    call, _ = contract_arguments(reference.sliding_compressed_attention, args, kwargs, tuning=False)
+    q, window_pages, sinks, selected = call.q, call.window_pages, call.sinks, call.selected
+    entry_pages, entry_slot, entry_page_indices = call.entry_pages, call.entry_slot, call.entry_page_indices
     num_tokens, num_heads, dim = q.shape
     num_slots, num_window_pages, page_size, row_dim = window_pages.shape
     head_block = head_block or max(16, next_power_of_two(min(num_heads, 64)))
@@ -144,16 +127,17 @@ def sliding_compressed_attention_kernel(
     selected_tiles = ((last + kv_block - 1) // kv_block).astype(jnp.int32)
     kernel = functools.partial(
         _compressed_attention_kernel, mode=mode, head_block=head_block, num_heads=num_heads, kv_block=kv_block,
-        window=int(window), page_size=page_size, num_window_pages=num_window_pages, per_page=per_page,
-        num_entry_pages=num_entry_pages, ratio=int(ratio), entry_capacity=entry_page_indices.shape[1] * per_page,
-        dim=dim, sm_scale=float(sm_scale), interpret=bool(interpret))
+        window=int(call.window), page_size=page_size, num_window_pages=num_window_pages, per_page=per_page,
+        num_entry_pages=num_entry_pages, ratio=int(call.ratio), entry_capacity=entry_page_indices.shape[1] * per_page,
+        dim=dim, sm_scale=float(call.sm_scale), interpret=bool(interpret))
     out = triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_heads + spare_rows(interpret), dim), q.dtype),
         grid=(num_tokens, pl.cdiv(num_heads, head_block)), name=f"dsv4_{mode}_attention", num_warps=num_warps,
         num_stages=num_stages, interpret=interpret,
-    )(jnp.asarray(window_slot, jnp.int32).reshape(1), jnp.asarray(entry_slot, jnp.int32).reshape(1),
-      token_seq_ids.astype(jnp.int32), token_positions.astype(jnp.int32), window_page_indices.astype(jnp.int32),
+    )(jnp.asarray(call.window_slot, jnp.int32).reshape(1), jnp.asarray(entry_slot, jnp.int32).reshape(1),
+      call.token_seq_ids.astype(jnp.int32), call.token_positions.astype(jnp.int32),
+      call.window_page_indices.astype(jnp.int32),
       entry_page_indices.astype(jnp.int32), selected.astype(jnp.int32), selected_tiles, sinks.astype(jnp.float32), q,
       window_pages.reshape(num_slots * num_window_pages * page_size, dim),
       entry_pages.reshape(entry_slots * num_entry_pages * per_page, dim))

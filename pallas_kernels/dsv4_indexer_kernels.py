@@ -26,8 +26,11 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
+from pallas_kernels import dsv4_attention as reference
 from pallas_kernels.ragged_work import next_power_of_two
-from pallas_kernels.triton_call import check_tiles, item_rows, lanes, page_rows, spare_rows, store_index, triton_call
+from pallas_kernels.triton_call import (
+    check_tiles, contract_arguments, item_rows, lanes, page_rows, spare_rows, store_index, triton_call,
+)
 
 _INT_MIN = -(2**31)
 
@@ -255,30 +258,17 @@ def topk_entries_kernel(
     return selected[:, :topk]
 
 
-def indexer_topk_kernel(
-    q: Float[Array, "tokens heads dim"],
-    weights: Float[Array, "tokens heads"],
-    key_pages: Float[Array, "slots pages entries_per_page dim"],
-    slot: int | Array,
-    page_indices: Int[Array, "seqs max_pages"],
-    *,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
-    ratio: int,
-    topk: int,
-    sm_scale: float,
-    batch_invariant: bool = False,
-    interpret: bool = False,
-    score_options: dict | None = None,
-    select_options: dict | None = None,
-) -> Int[Array, "tokens topk"]:
-    """`dsv4_attention.indexer_topk`'s contract as the score and top-k kernels. Batch-invariant
-    numerics score one token per work item (a token's key tiles never depend on its neighbours)."""
+def indexer_topk_kernel(*args, interpret: bool = False, score_options: dict | None = None,
+                        select_options: dict | None = None, **kwargs) -> Int[Array, "tokens topk"]:
+    """`dsv4_attention.indexer_topk`'s contract (its arguments) as the score and top-k kernels.
+    Batch-invariant numerics score one token per work item (a token's key tiles never depend on its
+    neighbours)."""
+    call, _ = contract_arguments(reference.indexer_topk, args, kwargs, tuning=False)
     score_options = dict(score_options or {})
-    score_options.setdefault("one_token_per_item", batch_invariant)
-    scores = indexer_scores_kernel(q, weights, key_pages, slot, page_indices, token_seq_ids=token_seq_ids,
-                                   token_positions=token_positions, ratio=ratio, sm_scale=sm_scale,
-                                   interpret=interpret, **score_options)
-    return topk_entries_kernel(scores, token_positions, ratio=ratio, topk=topk,
-                               num_entries=page_indices.shape[1] * key_pages.shape[2], interpret=interpret,
+    score_options.setdefault("one_token_per_item", call.batch_invariant)
+    scores = indexer_scores_kernel(call.q, call.weights, call.key_pages, call.slot, call.page_indices,
+                                   token_seq_ids=call.token_seq_ids, token_positions=call.token_positions,
+                                   ratio=call.ratio, sm_scale=call.sm_scale, interpret=interpret, **score_options)
+    return topk_entries_kernel(scores, call.token_positions, ratio=call.ratio, topk=call.topk,
+                               num_entries=call.page_indices.shape[1] * call.key_pages.shape[2], interpret=interpret,
                                **(select_options or {}))

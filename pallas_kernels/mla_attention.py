@@ -24,7 +24,7 @@ from agentjax.errors import KernelShapeError
 from pallas_kernels.kv_fp8 import load_rows, store_rows
 from pallas_kernels.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
 from pallas_kernels.ragged_paged_attention import (
-    attend_by_query_blocks, blocked_table, causal_visible, skipping_hidden_blocks,
+    attend_by_query_blocks, blocked_table, causal_visible, skipping_hidden_blocks, write_rows,
 )
 from pallas_kernels.ragged_work import merge_split_partials, next_power_of_two, work_items
 from pallas_kernels.triton_call import (
@@ -43,10 +43,7 @@ def write_latent(
     """Scatter this step's latent rows into their entries (`page * page_size + offset`) of `slot`.
     Padding tokens carry entries of the null page 0, which nothing reads. `fp8_kv`: the pages hold
     packed FP8 rows (pallas_kernels/kv_fp8.py)."""
-    num_slots, num_pages, page_size, width = latent_pages.shape
-    flat = latent_pages.reshape(num_slots, num_pages * page_size, width)
-    flat = flat.at[slot, slot_mapping].set(store_rows(rows, latent_pages.dtype, fp8_kv), mode="drop")
-    return flat.reshape(num_slots, num_pages, page_size, width)
+    return write_rows(latent_pages, slot, store_rows(rows, latent_pages.dtype, fp8_kv), slot_mapping)
 
 
 def attend_latent(
@@ -102,34 +99,43 @@ def mla_paged_attention(
     page_indices: Int[Array, "seqs max_pages"],
     *,
     layer: int | Array,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
     slot_mapping: Int[Array, " tokens"],
     value_dim: int,
     sm_scale: float,
+    token_seq_ids: Int[Array, " tokens"] | None = None,
+    token_positions: Int[Array, " tokens"] | None = None,
     batch_invariant: bool = False,
     kv_lens: Int[Array, " seqs"] | None = None,
     cu_q_lens: Int[Array, " seqs_plus_1"] | None = None,
     return_lse: bool = False,
     fp8_kv: bool = False,
+    attend=None,
+    **attend_options,
 ) -> tuple[Float[Array, "tokens heads value_dim"], Float[Array, "slots pages page_size width"]]:
     """Write this step's latent rows (`[c | k_rot]`) into slot `layer`'s pages, then attend with the
     absorbed queries: `(latent-space output [tokens, heads, value_dim], latent_pages)`.
 
     `width = kv_lora_rank + rope_dim` and `value_dim = kv_lora_rank`. In "batch_invariant" numerics
     every token is computed alone in fixed row blocks; the fast path lets a block of one sequence's
-    tokens share its page gathers. `kv_lens`/`cu_q_lens` are the kernel's row metadata, unused here.
-    `return_lse` adds each head's log-sum-exp: `(out, latent_pages, lse)` (decode context parallelism
-    merges partial results by it). `fp8_kv`: the pages hold FP8 rows (quantised as written).
+    tokens share its page gathers. `return_lse` adds each head's log-sum-exp: `(out, latent_pages,
+    lse)` (decode context parallelism merges partial results by it). `fp8_kv`: the pages hold FP8 rows
+    (quantised as written). `attend`: a kernel instead of the reference, `attend(q, latent_pages,
+    kv_lens, page_indices, cu_q_lens, layer=, value_dim=, sm_scale=, **attend_options) -> (out, lse)`
+    from the rows' `kv_lens`/`cu_q_lens` (which the reference does not read).
     """
-    del kv_lens, cu_q_lens  # encoded in the per-token metadata
     latent_pages = write_latent(latent_pages, layer, latent, slot_mapping, fp8_kv)
+    if attend is not None:
+        out, lse = attend(q, latent_pages, kv_lens, page_indices, cu_q_lens, layer=layer, value_dim=value_dim,
+                          sm_scale=sm_scale, **attend_options)
+        return (out, latent_pages, lse) if return_lse else (out, latent_pages)
+    if attend_options:
+        raise TypeError(f"mla_paged_attention: unexpected keyword arguments {sorted(attend_options)}")
 
-    def attend(q_rows, table_rows, position_rows):
+    def attend_rows(q_rows, table_rows, position_rows):
         return attend_latent(q_rows, latent_pages, layer, table_rows, position_rows,
                              value_dim=value_dim, sm_scale=sm_scale, return_lse=return_lse, fp8_kv=fp8_kv)
 
-    out = attend_by_query_blocks(attend, q, page_indices, token_seq_ids, token_positions,
+    out = attend_by_query_blocks(attend_rows, q, page_indices, token_seq_ids, token_positions,
                                  batch_invariant=batch_invariant)
     return (out[0], latent_pages, out[1]) if return_lse else (out, latent_pages)
 
@@ -264,31 +270,10 @@ def mla_attention_kernel(
     return merge_split_partials(outs, lses, num_tokens, cu_q_lens, q.dtype)
 
 
-def mla_paged_attention_kernel(
-    q: Float[Array, "tokens heads width"],
-    latent: Float[Array, "tokens width"],
-    latent_pages: Float[Array, "slots pages page_size width"],
-    page_indices: Int[Array, "seqs max_pages"],
-    *,
-    layer: int | Array,
-    slot_mapping: Int[Array, " tokens"],
-    kv_lens: Int[Array, " seqs"],
-    cu_q_lens: Int[Array, " seqs_plus_1"],
-    value_dim: int,
-    sm_scale: float,
-    token_seq_ids: Int[Array, " tokens"] | None = None,
-    token_positions: Int[Array, " tokens"] | None = None,
-    batch_invariant: bool = False,
-    return_lse: bool = False,
-    **options,
-):
+def mla_paged_attention_kernel(*args, interpret: bool = False, **kwargs):
     """`mla_paged_attention`'s contract (write the latent rows, attend: `(out, latent_pages)`, or
     `(out, latent_pages, lse)` with `return_lse`) with the attention as one kernel
-    (`mla_attention_kernel`, whose keyword `options` it takes). It needs the rows' `kv_lens` and
+    (`mla_attention_kernel`, whose tuning keywords it takes). It needs the rows' `kv_lens` and
     `cu_q_lens`; the per-token metadata is recomputed from them. A token's reduction order depends
     only on its own row and the fixed block sizes."""
-    del token_seq_ids, token_positions, batch_invariant
-    latent_pages = write_latent(latent_pages, layer, latent, slot_mapping)
-    out, lse = mla_attention_kernel(q, latent_pages, kv_lens, page_indices, cu_q_lens, layer=layer,
-                                    value_dim=value_dim, sm_scale=sm_scale, **options)
-    return (out, latent_pages, lse) if return_lse else (out, latent_pages)
+    return mla_paged_attention(*args, attend=functools.partial(mla_attention_kernel, interpret=interpret), **kwargs)

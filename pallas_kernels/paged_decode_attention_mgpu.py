@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
 from pallas_kernels.online_softmax import NEG_LARGE, online_softmax_result, online_softmax_step
-from pallas_kernels.ragged_paged_attention import soft_capped, write_kv
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, soft_capped
 from pallas_kernels.ragged_work import merge_attention_partials, with_sink_partial
 
 WGMMA_ROWS = 64  # a warpgroup matmul's row count: the padded query rows of one GQA group
@@ -190,40 +190,17 @@ def paged_decode_attention(
     return out.astype(q.dtype), lse
 
 
-def decode_attention_step(
-    q: Float[Array, "tokens heads dim"],
-    k: Float[Array, "tokens kv_heads dim"],
-    v: Float[Array, "tokens kv_heads dim"],
-    kv_pages: Float[Array, "layers pages page_size kv2 dim"],
-    kv_lens: Int[Array, " seqs"],
-    page_indices: Int[Array, "seqs max_pages"],
-    cu_q_lens: Int[Array, " seqs_plus_1"],
-    distribution: Int[Array, " 3"] | None = None,
-    *,
-    layer: int | Int[Array, ""],
-    slot_mapping: Int[Array, " tokens"],
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    sinks: Float[Array, " heads"] | None = None,
-    return_lse: bool = False,
-    interpret=None,
-    **kernel_options,
-):
+def decode_attention_step(*args, interpret=None, **kwargs):
     """`ragged_paged_attention`'s contract for a batch whose rows all hold exactly one new token
-    (the caller guarantees it): write the K/V, then `paged_decode_attention`. Token b is row b's
-    token for b < rows; extra tokens (padding) get out 0 and LSE -inf."""
-    del distribution
-    for unused in ("token_seq_ids", "token_positions", "batch_invariant"):
-        kernel_options.pop(unused, None)
+    (the caller guarantees it): write the K/V, then `paged_decode_attention` (whose tuning keywords it
+    takes). Token b is row b's token for b < rows; extra tokens (padding) get out 0 and LSE -inf."""
+    return ragged_paged_attention(*args, attend=functools.partial(_attend_decode_rows, interpret=interpret), **kwargs)
+
+
+def _attend_decode_rows(q, kv_pages, kv_lens, page_indices, cu_q_lens, **options):
     num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
-    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping)
     rows = min(num_tokens, num_seqs)
-    out, lse = paged_decode_attention(
-        q[:rows], kv_pages, kv_lens[:rows], page_indices[:rows], layer=layer, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, interpret=interpret, **kernel_options,
-    )
+    out, lse = paged_decode_attention(q[:rows], kv_pages, kv_lens[:rows], page_indices[:rows], **options)
     real = (jnp.arange(rows) < cu_q_lens[-1])[:, None]
     out = jnp.zeros_like(q).at[:rows].set(jnp.where(real[..., None], out, 0))
-    lse = jnp.full(q.shape[:2], -jnp.inf, jnp.float32).at[:rows].set(jnp.where(real, lse, -jnp.inf))
-    return (out, kv_pages, lse) if return_lse else (out, kv_pages)
+    return out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32).at[:rows].set(jnp.where(real, lse, -jnp.inf))

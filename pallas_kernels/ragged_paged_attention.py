@@ -111,6 +111,23 @@ def attend_by_query_blocks(attend, q, page_indices, token_seq_ids, token_positio
                              batch_invariant=False, block=block)
 
 
+def write_rows(
+    pages: Float[Array, "slots pages page_size *row"],
+    slot: int | Int[Array, ""],
+    rows: Float[Array, "tokens *row"],
+    slot_mapping: Int[Array, " tokens"],
+) -> Float[Array, "slots pages page_size *row"]:
+    """Scatter per-token rows into layer slot `slot` of a paged buffer at `page * page_size + offset`.
+
+    The whole multi-layer buffer goes in and out, so a donated buffer is updated in place. Padding
+    tokens carry entries of the null page 0, which nothing reads; an entry past the buffer is dropped.
+    """
+    num_slots, num_pages, page_size = pages.shape[:3]
+    flat = pages.reshape(num_slots, num_pages * page_size, *pages.shape[3:])
+    flat = flat.at[slot, slot_mapping].set(rows.astype(flat.dtype), mode="drop")
+    return flat.reshape(pages.shape)
+
+
 def write_kv(
     kv_pages: Float[Array, "layers pages page_size kv2 dim"],
     layer: int,
@@ -119,17 +136,10 @@ def write_kv(
     slot_mapping: Int[Array, " tokens"],
     fp8_kv: bool = False,
 ) -> Float[Array, "layers pages page_size kv2 dim"]:
-    """Scatter one layer's new keys and values into their slots (`page * page_size + offset`).
-
-    The whole multi-layer buffer goes in and out, so a donated buffer is updated in place.
-    Padding tokens carry slots of the null page 0, which nothing reads. `fp8_kv`: the pages hold
-    packed FP8 rows (pallas_kernels/kv_fp8.py; the last axis is a row's words, not `dim`).
-    """
-    num_layers, num_pages, page_size, kv2, width = kv_pages.shape
-    flat = kv_pages.reshape(num_layers, num_pages * page_size, kv2, width)
-    new = store_rows(jnp.concatenate([k, v], axis=1), kv_pages.dtype, fp8_kv)
-    flat = flat.at[layer, slot_mapping].set(new, mode="drop")
-    return flat.reshape(num_layers, num_pages, page_size, kv2, width)
+    """Scatter one layer's new keys and values into their slots (`write_rows`). `fp8_kv`: the pages
+    hold packed FP8 rows (pallas_kernels/kv_fp8.py; the last axis is a row's words, not `dim`)."""
+    return write_rows(kv_pages, layer, store_rows(jnp.concatenate([k, v], axis=1), kv_pages.dtype, fp8_kv),
+                      slot_mapping)
 
 
 def attend_paged(
@@ -250,17 +260,19 @@ def ragged_paged_attention(
     cu_q_lens: Int[Array, " seqs_plus_1"],
     distribution: Int[Array, " 3"] | None = None,
     *,
-    layer: int,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
+    layer: int | Int[Array, ""],
     slot_mapping: Int[Array, " tokens"],
     sm_scale: float,
+    token_seq_ids: Int[Array, " tokens"] | None = None,
+    token_positions: Int[Array, " tokens"] | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     batch_invariant: bool = False,
     return_lse: bool = False,
     fp8_kv: bool = False,
+    attend=None,
+    **attend_options,
 ) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"]] | tuple[
     Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"], Float[Array, "tokens heads"]
 ]:
@@ -270,21 +282,32 @@ def ragged_paged_attention(
     The leading arguments follow the ragged paged attention convention of the JAX serving
     engines. `kv_lens[b]` counts sequence b's KV after this step; its query tokens are
     `q[cu_q_lens[b]:cu_q_lens[b+1]]`. `distribution` (decode, prefill, mixed sequence ends) is
-    accepted for kernel compatibility and unused by the reference. The per-token metadata
-    (`token_seq_ids`, `token_positions`, `slot_mapping`) is derived from those arrays on the host,
-    where it is cheap, and passed in so the device never recomputes it. `fp8_kv`: the pages hold FP8
-    rows (pallas_kernels/kv_fp8.py): this step's K/V are quantised as written, pages dequantised as read.
-    """
-    del kv_lens, cu_q_lens, distribution  # encoded in the per-token metadata
-    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping, fp8_kv)
+    accepted for kernel compatibility and unused. The per-token metadata (`token_seq_ids`,
+    `token_positions`, `slot_mapping`) is derived from those arrays on the host, where it is cheap,
+    and passed in so the device never recomputes it. `fp8_kv`: the pages hold FP8 rows
+    (pallas_kernels/kv_fp8.py): this step's K/V are quantised as written, pages dequantised as read.
 
-    def attend(q_rows, table_rows, position_rows, pages_per_block=4):
+    `attend`: a kernel that attends over the written pages instead of the reference,
+    `attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, layer=, sm_scale=, sliding_window=,
+    soft_cap=, sinks=, **attend_options) -> (out, lse)` from the row metadata alone (it ignores the
+    per-token metadata and `batch_invariant`: a kernel's reduction order per token is fixed).
+    """
+    del distribution
+    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping, fp8_kv)
+    if attend is not None:
+        out, lse = attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, layer=layer, sm_scale=sm_scale,
+                          sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, **attend_options)
+        return (out, kv_pages, lse) if return_lse else (out, kv_pages)
+    if attend_options:
+        raise TypeError(f"ragged_paged_attention: unexpected keyword arguments {sorted(attend_options)}")
+
+    def attend_rows(q_rows, table_rows, position_rows, pages_per_block=4):
         return attend_paged(
             q_rows, kv_pages, layer, table_rows, position_rows, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap, sinks=sinks, pages_per_block=pages_per_block, fp8_kv=fp8_kv,
         )
 
     out, lse = attend_by_query_blocks(
-        attend, q, page_indices, token_seq_ids, token_positions, batch_invariant=batch_invariant,
-        block=SHARED_QUERY_BLOCK, attend_shared=functools.partial(attend, pages_per_block=SHARED_PAGES_PER_BLOCK))
+        attend_rows, q, page_indices, token_seq_ids, token_positions, batch_invariant=batch_invariant,
+        block=SHARED_QUERY_BLOCK, attend_shared=functools.partial(attend_rows, pages_per_block=SHARED_PAGES_PER_BLOCK))
     return (out, kv_pages, lse) if return_lse else (out, kv_pages)

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
 from pallas_kernels.online_softmax import fold_sink, online_softmax_init, online_softmax_result, online_softmax_step
-from pallas_kernels.ragged_paged_attention import causal_visible, soft_capped, write_kv
+from pallas_kernels.ragged_paged_attention import causal_visible, ragged_paged_attention, soft_capped
 from pallas_kernels.ragged_work import merge_split_partials, next_power_of_two, work_items
 from pallas_kernels.triton_call import (
     check_tiles, default_query_rows, item_rows, page_rows, query_positions, ragged_operands, spare_rows, store_index,
@@ -79,33 +79,13 @@ def _ragged_paged_attention_kernel(
     plt.store(lse_ref.at[split_rows, store_token, head], lse, mask=row_used)
 
 
-def ragged_paged_attention_kernel(
-    q: Float[Array, "tokens heads dim"],
-    k: Float[Array, "tokens kv_heads dim"],
-    v: Float[Array, "tokens kv_heads dim"],
-    kv_pages: Float[Array, "layers pages page_size kv2 dim"],
-    kv_lens: Int[Array, " seqs"],
-    page_indices: Int[Array, "seqs max_pages"],
-    cu_q_lens: Int[Array, " seqs_plus_1"],
-    distribution: Int[Array, " 3"] | None = None,
-    *,
-    layer: int | Int[Array, ""],
-    slot_mapping: Int[Array, " tokens"],
-    return_lse: bool = False,
-    token_seq_ids: Int[Array, " tokens"] | None = None,
-    token_positions: Int[Array, " tokens"] | None = None,
-    batch_invariant: bool = False,
-    **options,
-):
-    """The reference's contract (write K/V, attend; the same arguments and results) with the
-    attention as one kernel (`paged_attention_kernel`, whose keyword `options` it takes). Per-token
-    metadata is recomputed from `kv_lens`/`cu_q_lens`, so `token_seq_ids`/`token_positions` are
-    ignored. Batch invariance: each token's reduction order depends only on its own row and the
-    fixed block sizes (keep `num_kv_splits` fixed)."""
-    del distribution, token_seq_ids, token_positions, batch_invariant
-    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping)
-    out, lse = paged_attention_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, layer=layer, **options)
-    return (out, kv_pages, lse) if return_lse else (out, kv_pages)
+def ragged_paged_attention_kernel(*args, interpret: bool = False, **kwargs):
+    """`ragged_paged_attention`'s contract (write K/V, attend; the same arguments and results) with the
+    attention as one kernel (`paged_attention_kernel`, whose tuning keywords it takes). The per-token
+    metadata is recomputed from `kv_lens`/`cu_q_lens`. Batch invariance: each token's reduction order
+    depends only on its own row and the fixed block sizes (keep `num_kv_splits` fixed)."""
+    return ragged_paged_attention(*args, attend=functools.partial(paged_attention_kernel, interpret=interpret),
+                                  **kwargs)
 
 
 def paged_attention_kernel(

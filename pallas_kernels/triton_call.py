@@ -1,10 +1,14 @@
 """What every Triton-style Pallas kernel here shares: the `pallas_call` with Triton CompilerParams and the
 interpret flag, tile checks, lanes, the spare row masked stores land on in interpret mode, a work item's
-query rows and positions, and the gather of a sequence's rows through its page table.
+query rows and positions, the gather of a sequence's rows through its page table, and the binding of a
+kernel entry's arguments to its reference's signature (one signature per contract).
 
 The kernel bodies call the in-kernel helpers (they load through refs); nothing here decides numerics.
 """
 from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -90,3 +94,16 @@ def ragged_operands(slot, items, kv_lens, cu_q_lens, page_indices) -> tuple:
     items' `(seq, start, count)`, the rows' KV lengths, query offsets and page tables, all int32."""
     return (jnp.asarray(slot, jnp.int32).reshape(1), *items, kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
             page_indices.astype(jnp.int32))
+
+
+def contract_arguments(reference, args: tuple, kwargs: dict, *, tuning: bool = True) -> tuple[SimpleNamespace, dict]:
+    """A kernel entry that takes its reference's arguments: `(arguments, options)`, the call bound to
+    `reference`'s signature (with its defaults; by attribute), and the keywords it does not name (the
+    kernel's tuning; without `tuning`, any such keyword is a TypeError)."""
+    signature = inspect.signature(reference)
+    options = {name: value for name, value in kwargs.items() if name not in signature.parameters}
+    if options and not tuning:
+        raise TypeError(f"{reference.__name__} kernel: unexpected keyword arguments {sorted(options)}")
+    bound = signature.bind(*args, **{name: value for name, value in kwargs.items() if name not in options})
+    bound.apply_defaults()
+    return SimpleNamespace(**bound.arguments), options
