@@ -7,7 +7,10 @@ per-head attention sinks) and can return each query head's log-sum-exp. The refe
 over KV pages with an online softmax, so it never materialises a full query-by-key score matrix,
 and the per-token arithmetic does not depend on which other tokens share the batch. The kernel
 (`ragged_paged_attention_kernel`, pallas_kernels/ragged_paged_attention_kernels.py) targets Pallas'
-Triton backend on Hopper and Blackwell and runs in interpret mode on a CPU.
+Triton backend on Hopper and Blackwell and runs in interpret mode on a CPU; it and the Mosaic GPU decode
+kernel enter through `ragged_paged_attention(attend=...)`, so the contract is written once. The paged
+references of the other families (MLA, block-sparse, DeepSeek-V4) share this module's row writer,
+causal mask, blocked page tables and query-block loops.
 """
 from __future__ import annotations
 
