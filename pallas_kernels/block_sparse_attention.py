@@ -18,15 +18,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from agentjax.numerics import map_row_blocks
 from pallas_kernels.kv_fp8 import load_rows
-from pallas_kernels.ragged_paged_attention import FAST_QUERY_BLOCK, write_kv
+from pallas_kernels.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
+from pallas_kernels.ragged_paged_attention import over_query_blocks, write_kv, write_rows
 
 # Key positions scored per iteration of the indexer (rounded to whole pages and whole blocks).
 INDEX_CHUNK_TOKENS = 64
-
-# Finite stand-in for -inf in the running max (see ragged_paged_attention).
-_NEG_LARGE = -1e30
 
 
 def write_index_keys(
@@ -36,10 +33,7 @@ def write_index_keys(
     slot_mapping: Int[Array, " tokens"],
 ) -> Float[Array, "slots pages page_size dim"]:
     """Scatter one layer's new indexer keys into their entries (`page * page_size + offset`)."""
-    num_slots, num_pages, page_size, dim = index_pages.shape
-    flat = index_pages.reshape(num_slots, num_pages * page_size, dim)
-    flat = flat.at[slot, slot_mapping].set(keys.astype(flat.dtype), mode="drop")
-    return flat.reshape(index_pages.shape)
+    return write_rows(index_pages, slot, keys, slot_mapping)
 
 
 def _chunk_pages(page_size: int, block_size: int) -> int:
@@ -119,13 +113,13 @@ def index_select_blocks(
     index_pages: Float[Array, "slots pages page_size dim"],
     page_indices: Int[Array, "seqs max_pages"],
     *,
-    slot: int,
-    token_seq_ids: Int[Array, " tokens"],
+    slot: int | Array,
     token_positions: Int[Array, " tokens"],
     slot_mapping: Int[Array, " tokens"],
     block_size: int,
     topk_blocks: int,
     local_blocks: int,
+    token_seq_ids: Int[Array, " tokens"] | None = None,
     batch_invariant: bool = False,
     kv_lens: Int[Array, " seqs"] | None = None,
     cu_q_lens: Int[Array, " seqs_plus_1"] | None = None,
@@ -146,10 +140,7 @@ def index_select_blocks(
                           local_blocks=local_blocks)
 
     tables = page_indices[token_seq_ids]
-    if batch_invariant:
-        return map_row_blocks(select, q, tables, token_positions), index_pages
-    block = min(FAST_QUERY_BLOCK, q.shape[0])
-    return map_row_blocks(select, q, tables, token_positions, block=block), index_pages
+    return over_query_blocks(select, q, tables, token_positions, batch_invariant=batch_invariant), index_pages
 
 
 def sparse_attend_paged(
@@ -193,7 +184,6 @@ def sparse_attend_paged(
     offsets = jnp.arange(block_size, dtype=jnp.int32)
 
     def attend_block(i, carry):
-        m, denom, acc = carry
         block = unit_blocks[:, :, i]  # [t, u]
         key_pos = block[:, :, None] * block_size + offsets  # [t, u, B]
         visible = (block[:, :, None] >= 0) & (key_pos <= token_positions[:, None, None])
@@ -202,25 +192,14 @@ def sparse_attend_paged(
         rows = jnp.where(visible, pages.reshape(key_pos.shape) * page_size + key_pos % page_size, 0)
         k = load_rows(flat, (rows, unit_kv_head[None, :, None]), dim, fp8_kv)  # [t, u, B, dim]
         v = load_rows(flat, (rows, num_kv_heads + unit_kv_head[None, :, None]), dim, fp8_kv)
-        scores = jnp.einsum("tugd,tubd->tugb", qg, k)
-        scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[..., None])
-        denom = denom * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tugb,tubd->tugd", p, v)
-        return m_new, denom, acc
+        scores = jnp.where(visible[:, :, None, :], jnp.einsum("tugd,tubd->tugb", qg, k), -jnp.inf)
+        return online_softmax_step(carry, scores, lambda p: jnp.einsum("tugb,tubd->tugd", p, v))
 
     def body(i, carry):
         return jax.lax.cond(jnp.any(unit_blocks[:, :, i] >= 0), attend_block, lambda _, c: c, i, carry)
 
-    init = (
-        jnp.full((num_tokens, units, per_unit), _NEG_LARGE, jnp.float32),
-        jnp.zeros((num_tokens, units, per_unit), jnp.float32),
-        jnp.zeros((num_tokens, units, per_unit, dim), jnp.float32),
-    )
-    _, denom, acc = jax.lax.fori_loop(0, unit_blocks.shape[-1], body, init)
-    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]  # padding tokens see no key
+    carry = jax.lax.fori_loop(0, unit_blocks.shape[-1], body, online_softmax_init((num_tokens, units, per_unit), dim))
+    out, _ = online_softmax_result(carry)  # padding tokens see no key: out 0
     return out.reshape(num_tokens, num_heads, dim).astype(q.dtype)
 
 
@@ -240,18 +219,25 @@ def block_sparse_attention(
     block_size: int,
     batch_invariant: bool = False,
     fp8_kv: bool = False,
+    attend=None,
+    **attend_options,
 ) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "slots pages page_size kv2 dim"]]:
     """Write this step's K/V into slot `slot`'s pages, then attend over the selected blocks:
     `(out, kv_pages)`. `selected` comes from `index_select_blocks` (-1: no block). `fp8_kv`: the pages
-    hold FP8 rows (pallas_kernels/kv_fp8.py)."""
+    hold FP8 rows (pallas_kernels/kv_fp8.py). `attend`: a kernel instead of the reference,
+    `attend(q, kv_pages, page_indices, selected, token_seq_ids, token_positions, slot=, sm_scale=,
+    block_size=, **attend_options)` (each token's arithmetic is its own: `batch_invariant` is moot)."""
     kv_pages = write_kv(kv_pages, slot, k, v, slot_mapping, fp8_kv)
+    if attend is not None:
+        return attend(q, kv_pages, page_indices, selected, token_seq_ids, token_positions, slot=slot,
+                      sm_scale=sm_scale, block_size=block_size, **attend_options), kv_pages
+    if attend_options:
+        raise TypeError(f"block_sparse_attention: unexpected keyword arguments {sorted(attend_options)}")
 
-    def attend(q_rows, table_rows, position_rows, selected_rows):
+    def attend_rows(q_rows, table_rows, position_rows, selected_rows):
         return sparse_attend_paged(q_rows, kv_pages, slot, table_rows, position_rows, selected_rows,
                                    sm_scale=sm_scale, block_size=block_size, fp8_kv=fp8_kv)
 
     tables = page_indices[token_seq_ids]
-    if batch_invariant:
-        return map_row_blocks(attend, q, tables, token_positions, selected), kv_pages
-    block = min(FAST_QUERY_BLOCK, q.shape[0])
-    return map_row_blocks(attend, q, tables, token_positions, selected, block=block), kv_pages
+    return over_query_blocks(attend_rows, q, tables, token_positions, selected,
+                             batch_invariant=batch_invariant), kv_pages

@@ -22,18 +22,16 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.block_sparse_attention import write_index_keys
-from pallas_kernels.ragged_paged_attention import write_kv
+from pallas_kernels.block_sparse_attention import block_sparse_attention, index_select_blocks, write_index_keys
+from pallas_kernels.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
+from pallas_kernels.ragged_paged_attention import causal_visible
 from pallas_kernels.ragged_work import next_power_of_two, work_items
+from pallas_kernels.triton_call import (
+    check_tiles, contract_arguments, item_rows, lanes, page_rows, query_positions, ragged_operands, spare_rows,
+    store_index, triton_call,
+)
 
-_NEG_LARGE = -1e30
 _NO_BLOCK = 2**30  # larger than any block id
-
-
-def _check_power_of_two(op: str, **values: int) -> None:
-    for name, value in values.items():
-        if value != next_power_of_two(value) or (name not in ("block_size", "page_size") and value < 16):
-            raise KernelShapeError(f"{op}: {name}={value} must be a power of two (>= 16 for tiles and dot rows)")
 
 
 def _block_scores_kernel(
@@ -43,20 +41,11 @@ def _block_scores_kernel(
 ):
     item = pl.program_id(0)
     seq, start, count = item_seq_ref[item], item_start_ref[item], item_count_ref[item]
-    max_pages = table_ref.shape[1]
-    row = jnp.arange(query_rows, dtype=jnp.int32)
-    head = row % heads_per_token
-    row_used = (row // heads_per_token < count) & (head < num_heads)
-    token = jnp.where(row_used, start + row // heads_per_token, 0)
-    head = jnp.where(row_used, head, 0)
-    store_token = jnp.where(row_used, token, scores_ref.shape[0] - 1) if interpret else token
-
-    seq_start, seq_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
-    context = kv_lens_ref[seq] - (seq_end - seq_start)
-    position = context + (token - seq_start)
-    kv_end = context + (start - seq_start) + count
-    lane = jnp.arange(max(16, next_power_of_two(dim)), dtype=jnp.int32)
-    lane_used = lane < dim
+    token, head, row_used = item_rows(query_rows, heads_per_token, start, count, num_heads=num_heads)
+    store_token = store_index(token, row_used, scores_ref.shape[0] - 1, interpret)
+    position, first_position = query_positions(kv_lens_ref, cu_q_lens_ref, seq, start, token)
+    kv_end = first_position + count
+    lane, lane_used = lanes(dim)
     q = plt.load(q_ref.at[token[:, None], head[:, None], lane[None, :]],
                  mask=row_used[:, None] & lane_used[None, :], other=0)
     precise = dict(allow_tf32=False) if q.dtype == jnp.float32 else {}
@@ -66,13 +55,11 @@ def _block_scores_kernel(
     def tile_scores(first):
         key_position = first + offsets
         key_used = key_position < kv_end
-        page_slot = jnp.minimum(key_position // page_size, max_pages - 1)
-        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=key_used, other=0)
-        entry = (slot_ref[0] * num_pages + page) * page_size + key_position % page_size
+        entry = page_rows(table_ref, seq, key_position, key_used, slot_ref[0], num_pages, page_size)
         keys = plt.load(keys_ref.at[entry[:, None], lane[None, :]], mask=key_used[:, None] & lane_used[None, :],
                         other=0)
         scores = plt.dot(q, keys.astype(q.dtype), trans_b=True, **precise)
-        visible = (key_position[None, :] <= position[:, None]) & key_used[None, :]
+        visible = causal_visible(key_position, position, None) & key_used[None, :]
         return jnp.where(visible, scores, -jnp.inf)
 
     def step(index, carry):
@@ -115,27 +102,23 @@ def block_scores_kernel(
     num_slots, num_pages, page_size, key_dim = index_pages.shape
     heads_per_token = next_power_of_two(num_heads)
     query_rows = max(query_rows, heads_per_token)
-    _check_power_of_two("block_scores_kernel", block_size=block_size, query_rows=query_rows, kv_block=kv_block)
+    check_tiles("block_scores_kernel", dict(query_rows=query_rows, kv_block=kv_block), dict(block_size=block_size))
     if key_dim != dim:
         raise KernelShapeError(f"block_scores_kernel: queries {q.shape} and index pages {index_pages.shape} "
                                "have different head dims")
     num_blocks = -(-page_indices.shape[1] * page_size // block_size)
-    item_seq, item_start, item_count = work_items(jnp.asarray(cu_q_lens, jnp.int32), num_tokens,
-                                                  query_rows // heads_per_token)
+    cu_q_lens = jnp.asarray(cu_q_lens, jnp.int32)
+    items = work_items(cu_q_lens, num_tokens, query_rows // heads_per_token)
     kernel = functools.partial(
         _block_scores_kernel, heads_per_token=heads_per_token, num_heads=num_heads, query_rows=query_rows,
         kv_block=kv_block, block_size=block_size, page_size=page_size, num_pages=num_pages, dim=dim,
         interpret=bool(interpret))
-    spare = 1 if interpret else 0
-    scores = pl.pallas_call(
+    scores = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens + spare, num_heads, num_blocks), jnp.float32),
-        grid=(item_seq.shape[0],),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=jax.ShapeDtypeStruct((num_tokens + spare_rows(interpret), num_heads, num_blocks), jnp.float32),
+        grid=(items[0].shape[0],), name="block_indexer_scores", num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
-        name="block_indexer_scores",
-    )(jnp.asarray(slot, jnp.int32).reshape(1), item_seq, item_start, item_count, kv_lens.astype(jnp.int32),
-      cu_q_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
+    )(*ragged_operands(slot, items, kv_lens, cu_q_lens, page_indices), q,
       index_pages.reshape(num_slots * num_pages * page_size, dim))
     return scores[:num_tokens]
 
@@ -146,7 +129,7 @@ def _top_blocks_kernel(real_ref, positions_ref, scores_ref, out_ref, *, rows, nu
     token, head = flat // num_heads, flat % num_heads
     used = token < real_ref[0]
     token = jnp.where(used, token, 0)
-    store_token = jnp.where(used, token, out_ref.shape[0] - 1) if interpret else token
+    store_token = store_index(token, used, out_ref.shape[0] - 1, interpret)
     position = plt.load(positions_ref.at[token], mask=used, other=0)
     query_block = jnp.where(used, position // block_size, -1)
     first_forced = jnp.maximum(query_block - local_blocks + 1, 0)
@@ -196,51 +179,31 @@ def top_blocks_kernel(
     """`block_sparse_attention.top_blocks` over `block_scores_kernel`'s scores: blocks after the query's
     own are never read; tokens from `num_real_tokens` on get -1. `rows` (token, head) pairs per program."""
     num_tokens, num_heads, _ = block_scores.shape
-    _check_power_of_two("top_blocks_kernel", rows=rows, chunk=chunk)
+    check_tiles("top_blocks_kernel", dict(rows=rows, chunk=chunk))
     kernel = functools.partial(
         _top_blocks_kernel, rows=rows, num_heads=num_heads, block_size=block_size, topk=topk_blocks,
         local_blocks=local_blocks, chunk=chunk, interpret=bool(interpret))
-    spare = 1 if interpret else 0
-    selected = pl.pallas_call(
+    selected = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens + spare, num_heads, topk_blocks), jnp.int32),
-        grid=(pl.cdiv(num_tokens * num_heads, rows),),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="block_indexer_top_k",
+        out_shape=jax.ShapeDtypeStruct((num_tokens + spare_rows(interpret), num_heads, topk_blocks), jnp.int32),
+        grid=(pl.cdiv(num_tokens * num_heads, rows),), name="block_indexer_top_k", num_warps=num_warps,
+        num_stages=1, interpret=interpret,
     )(jnp.asarray(num_real_tokens, jnp.int32).reshape(1), token_positions.astype(jnp.int32), block_scores)
     real = (jnp.arange(num_tokens) < num_real_tokens)[:, None, None]
     return jnp.where(real, selected[:num_tokens], -1)
 
 
-def index_select_blocks_kernel(
-    q: Float[Array, "tokens index_heads dim"],
-    k: Float[Array, "tokens dim"],
-    index_pages: Float[Array, "slots pages page_size dim"],
-    page_indices: Int[Array, "seqs max_pages"],
-    *,
-    slot: int | Array,
-    token_positions: Int[Array, " tokens"],
-    slot_mapping: Int[Array, " tokens"],
-    kv_lens: Int[Array, " seqs"],
-    cu_q_lens: Int[Array, " seqs_plus_1"],
-    block_size: int,
-    topk_blocks: int,
-    local_blocks: int,
-    token_seq_ids: Int[Array, " tokens"] | None = None,
-    batch_invariant: bool = False,
-    interpret: bool = False,
-    score_options: dict | None = None,
-    select_options: dict | None = None,
-) -> tuple[Int[Array, "tokens index_heads topk"], Float[Array, "slots pages page_size dim"]]:
-    """`index_select_blocks`' contract (write the indexer keys, select) as the two kernels; padding
-    tokens (past `cu_q_lens[-1]`) get -1. A query's selection depends only on its own scores."""
-    del token_seq_ids, batch_invariant
-    index_pages = write_index_keys(index_pages, slot, k, slot_mapping)
-    scores = block_scores_kernel(q, index_pages, kv_lens, page_indices, cu_q_lens, slot=slot, block_size=block_size,
-                                 interpret=interpret, **(score_options or {}))
-    selected = top_blocks_kernel(scores, token_positions, cu_q_lens[-1], block_size=block_size,
-                                 topk_blocks=topk_blocks, local_blocks=local_blocks, interpret=interpret,
+def index_select_blocks_kernel(*args, interpret: bool = False, score_options: dict | None = None,
+                               select_options: dict | None = None, **kwargs):
+    """`index_select_blocks`' contract (its arguments: write the indexer keys, select) as the two kernels,
+    which need the rows' `kv_lens` and `cu_q_lens`; padding tokens (past `cu_q_lens[-1]`) get -1. A
+    query's selection depends only on its own scores."""
+    call, _ = contract_arguments(index_select_blocks, args, kwargs, tuning=False)
+    index_pages = write_index_keys(call.index_pages, call.slot, call.k, call.slot_mapping)
+    scores = block_scores_kernel(call.q, index_pages, call.kv_lens, call.page_indices, call.cu_q_lens, slot=call.slot,
+                                 block_size=call.block_size, interpret=interpret, **(score_options or {}))
+    selected = top_blocks_kernel(scores, call.token_positions, call.cu_q_lens[-1], block_size=call.block_size,
+                                 topk_blocks=call.topk_blocks, local_blocks=call.local_blocks, interpret=interpret,
                                  **(select_options or {}))
     return selected, index_pages
 
@@ -253,14 +216,11 @@ def _sparse_attention_kernel(
     token, unit = pl.program_id(0), pl.program_id(1)
     seq, position = seq_ref[token], positions_ref[token]
     kv_head, index_head = unit // units_per_kv_head, unit // units_per_index_head
-    max_pages = table_ref.shape[1]
     row = jnp.arange(rows, dtype=jnp.int32)
     row_used = row < per_unit
     head = unit * per_unit + jnp.minimum(row, per_unit - 1)
-    # In interpret mode unused rows store into a spare head column, never onto a used row's address.
-    store_head = jnp.where(row_used, head, out_ref.shape[1] - 1) if interpret else head
-    lane = jnp.arange(max(16, next_power_of_two(dim)), dtype=jnp.int32)
-    lane_used = lane < dim
+    store_head = store_index(head, row_used, out_ref.shape[1] - 1, interpret)  # a spare head column
+    lane, lane_used = lanes(dim)
     q = plt.load(q_ref.at[jnp.full((rows, 1), token, jnp.int32), head[:, None], lane[None, :]],
                  mask=row_used[:, None] & lane_used[None, :], other=0)
     precise = dict(allow_tf32=False) if q.dtype == jnp.float32 else {}
@@ -269,29 +229,19 @@ def _sparse_attention_kernel(
     num_selected = counts_ref[token, index_head]  # valid ids come first (sorted ascending)
 
     def attend_block(i, carry):
-        m, denom, acc = carry
         block = blocks_ref[token, index_head, i]
         key_position = block * block_size + offsets
         key_used = (offsets < block_size) & (key_position <= position)
-        page_slot = jnp.clip(key_position // page_size, 0, max_pages - 1)
-        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=key_used, other=0)
-        entry = (slot_ref[0] * num_pages + page) * page_size + key_position % page_size
+        entry = page_rows(table_ref, seq, key_position, key_used, slot_ref[0], num_pages, page_size)
         mask = key_used[:, None] & lane_used[None, :]
         k = plt.load(kv_ref.at[entry[:, None], kv_columns, lane[None, :]], mask=mask, other=0)
         v = plt.load(kv_ref.at[entry[:, None], kv_columns + num_kv_heads, lane[None, :]], mask=mask, other=0)
         scores = plt.dot(q, k.astype(q.dtype), trans_b=True, **precise) * sm_scale
         scores = jnp.where(key_used[None, :], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[:, None])
-        denom = denom * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v, **precise)
-        return m_new, denom, acc
+        return online_softmax_step(carry, scores, lambda p: plt.dot(p.astype(v.dtype), v, **precise))
 
-    init = (jnp.full((rows,), _NEG_LARGE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, lane.shape[0]), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(0, num_selected, attend_block, init)
-    out = acc / jnp.where(denom == 0, 1.0, denom)[:, None]
+    carry = jax.lax.fori_loop(0, num_selected, attend_block, online_softmax_init((rows,), lane.shape[0]))
+    out, _ = online_softmax_result(carry)
     plt.store(out_ref.at[jnp.full((rows, 1), token, jnp.int32), store_head[:, None], lane[None, :]],
               out.astype(out_ref.dtype), mask=row_used[:, None] & lane_used[None, :])
 
@@ -331,42 +281,20 @@ def sparse_attention_kernel(
         units_per_kv_head=units // num_kv_heads, units_per_index_head=units // num_index_heads,
         num_kv_heads=num_kv_heads, block_size=block_size, tile=max(16, next_power_of_two(block_size)),
         page_size=page_size, num_pages=num_pages, dim=dim, sm_scale=float(sm_scale), interpret=bool(interpret))
-    spare = 1 if interpret else 0
-    out = pl.pallas_call(
+    out = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens, num_heads + spare, dim), q.dtype),
-        grid=(num_tokens, units),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=jax.ShapeDtypeStruct((num_tokens, num_heads + spare_rows(interpret), dim), q.dtype),
+        grid=(num_tokens, units), name="block_sparse_attention", num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
-        name="block_sparse_attention",
     )(jnp.asarray(slot, jnp.int32).reshape(1), token_seq_ids.astype(jnp.int32), token_positions.astype(jnp.int32),
       page_indices.astype(jnp.int32), blocks, jnp.sum(blocks >= 0, axis=-1, dtype=jnp.int32), q,
       kv_pages.reshape(num_slots * num_pages * page_size, kv2, dim))
     return out[:, :num_heads]
 
 
-def block_sparse_attention_kernel(
-    q: Float[Array, "tokens heads dim"],
-    k: Float[Array, "tokens kv_heads dim"],
-    v: Float[Array, "tokens kv_heads dim"],
-    kv_pages: Float[Array, "slots pages page_size kv2 dim"],
-    page_indices: Int[Array, "seqs max_pages"],
-    selected: Int[Array, "tokens index_heads topk"],
-    *,
-    slot: int | Array,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
-    slot_mapping: Int[Array, " tokens"],
-    sm_scale: float,
-    block_size: int,
-    batch_invariant: bool = False,
-    interpret: bool = False,
-    **options,
-) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "slots pages page_size kv2 dim"]]:
+def block_sparse_attention_kernel(*args, interpret: bool = False, **kwargs):
     """`block_sparse_attention`'s contract (write K/V, attend over the selected blocks) with the
-    attention as one kernel. Each token's arithmetic depends only on its own query and blocks."""
-    del batch_invariant
-    kv_pages = write_kv(kv_pages, slot, k, v, slot_mapping)
-    out = sparse_attention_kernel(q, kv_pages, page_indices, selected, token_seq_ids, token_positions, slot=slot,
-                                  sm_scale=sm_scale, block_size=block_size, interpret=interpret, **options)
-    return out, kv_pages
+    attention as one kernel (`sparse_attention_kernel`, whose tuning keywords it takes). Each token's
+    arithmetic depends only on its own query and blocks."""
+    return block_sparse_attention(*args, attend=functools.partial(sparse_attention_kernel, interpret=interpret),
+                                  **kwargs)

@@ -17,35 +17,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from agentjax.numerics import map_row_blocks
+from pallas_kernels.online_softmax import fold_sink, online_softmax_init, online_softmax_result, online_softmax_step
+from pallas_kernels.ragged_paged_attention import over_query_blocks, write_rows
 
-# Query tokens per block in the fast path (batch-invariant numerics use agentjax.numerics' 8).
-FAST_QUERY_BLOCK = 64
 # Compressed entries scored or attended per loop iteration (rounded to whole pages).
 ENTRY_CHUNK = 64
-# Finite stand-in for -inf in a running max: fully masked chunks leave the accumulators unchanged.
-_NEG_LARGE = -1e30
 
 
 def _row_blocks(fn, *arrays, batch_invariant: bool):
-    """`fn` over fixed row blocks; batch-invariant blocks are fenced by optimization barriers, since a
-    one-block loop would otherwise be inlined and fused with its neighbours (other roundings)."""
-    if batch_invariant:
-        return jax.lax.optimization_barrier(map_row_blocks(fn, *jax.lax.optimization_barrier(arrays)))
-    return map_row_blocks(fn, *arrays, block=max(1, min(FAST_QUERY_BLOCK, arrays[0].shape[0])))
-
-
-def write_rows(
-    pages: Float[Array, "slots pages page_size width"],
-    slot: Int[Array, ""],
-    rows: Float[Array, "tokens width"],
-    slot_mapping: Int[Array, " tokens"],
-) -> Float[Array, "slots pages page_size width"]:
-    """Scatter one layer's per-token rows to `page * page_size + offset` (padding tokens: page 0)."""
-    num_slots, num_pages, page_size, width = pages.shape
-    flat = pages.reshape(num_slots, num_pages * page_size, width)
-    flat = flat.at[slot, slot_mapping].set(rows.astype(flat.dtype), mode="drop")
-    return flat.reshape(pages.shape)
+    """`fn` over query row blocks, the batch-invariant ones fenced (see `over_query_blocks`)."""
+    return over_query_blocks(fn, *arrays, batch_invariant=batch_invariant, fence=True)
 
 
 def write_entries(
@@ -55,11 +36,9 @@ def write_entries(
     entry_slots: Int[Array, " n"],
 ) -> Float[Array, "slots pages entries_per_page width"]:
     """Scatter compressed entries to `page * entries_per_page + row`; a negative slot is dropped."""
-    num_slots, num_pages, per_page, width = pages.shape
-    flat = pages.reshape(num_slots, num_pages * per_page, width)
+    _, num_pages, per_page, _ = pages.shape
     target = jnp.where(entry_slots < 0, num_pages * per_page, entry_slots)  # out of range: dropped
-    flat = flat.at[slot, target].set(entries.astype(flat.dtype), mode="drop")
-    return flat.reshape(pages.shape)
+    return write_rows(pages, slot, entries, target)
 
 
 def _gather_positions(pages, slot, tables, positions, valid):
@@ -180,12 +159,8 @@ def indexer_topk(
 
 
 def _online_update(carry, scores, values):
-    """Fold `scores [n, h, m]` (masked: -inf) over `values [n, m, d]` into (max, denominator, acc)."""
-    m, denom, acc = carry
-    m_new = jnp.maximum(m, scores.max(axis=-1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(scores - m_new[..., None])
-    return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + jnp.einsum("nhm,nmd->nhd", p, values)
+    """Fold `scores [n, h, m]` (masked: -inf) over `values [n, m, d]` into the online softmax's carry."""
+    return online_softmax_step(carry, scores, lambda p: jnp.einsum("nhm,nmd->nhd", p, values))
 
 
 def sliding_compressed_attention(
@@ -236,9 +211,7 @@ def sliding_compressed_attention(
         rows = _gather_positions(window_pages, window_slot, w_tables, key_pos, visible).astype(jnp.float32)
         rows = jnp.where(visible[..., None], rows, 0)  # what masked slots read must not reach the sum
         scores = jnp.where(visible[:, None, :], jnp.einsum("nhd,nmd->nhm", q32, rows), -jnp.inf)
-        carry = (jnp.full((n, num_heads), _NEG_LARGE, jnp.float32), jnp.zeros((n, num_heads), jnp.float32),
-                 jnp.zeros((n, num_heads, dim), jnp.float32))
-        carry = _online_update(carry, scores, rows)
+        carry = _online_update(online_softmax_init((n, num_heads), dim), scores, rows)
         if entry_pages is not None and not dense:  # CSA: the indexer's picks
             valid = chosen >= 0
             page = jnp.take_along_axis(e_tables, jnp.clip(chosen // per_page, 0, e_tables.shape[-1] - 1), axis=-1)
@@ -263,11 +236,8 @@ def sliding_compressed_attention(
                 return jax.lax.cond(chunk * chunk_entries < ended.max(), attend_chunk, lambda _, s: s, chunk, state)
 
             carry = jax.lax.fori_loop(0, e_tables.shape[-1] // chunk_pages, body, carry)
-        m, denom, acc = carry
-        m_final = jnp.maximum(m, sink[None, :])
-        alpha = jnp.exp(m - m_final)
-        denom = denom * alpha + jnp.exp(sink[None, :] - m_final)
-        return (acc * alpha[..., None] / denom[..., None]).astype(q.dtype)
+        out, _ = online_softmax_result(fold_sink(carry, sink[None, :]))
+        return out.astype(q.dtype)
 
     return _row_blocks(attend, q, token_positions, window_tables, entry_tables, selected,
                        batch_invariant=batch_invariant)

@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.dsv4_indexer_kernels import _check_tiles, _lanes
+from pallas_kernels import dsv4_attention as reference
+from pallas_kernels.online_softmax import online_softmax_init, online_softmax_step
 from pallas_kernels.ragged_work import next_power_of_two
-
-_NEG_LARGE = -1e30
+from pallas_kernels.triton_call import (
+    check_tiles, contract_arguments, lanes, page_rows, spare_rows, store_index, triton_call,
+)
 
 
 def _compressed_attention_kernel(
@@ -37,8 +38,8 @@ def _compressed_attention_kernel(
     head = head_tile * head_block + jnp.arange(head_block, dtype=jnp.int32)
     head_used = head < num_heads
     head = jnp.where(head_used, head, 0)
-    store_head = jnp.where(head_used, head, out_ref.shape[1] - 1) if interpret else head
-    lane, lane_used = _lanes(dim)
+    store_head = store_index(head, head_used, out_ref.shape[1] - 1, interpret)
+    lane, lane_used = lanes(dim)
     token_rows = jnp.full((head_block, 1), token, jnp.int32)
     q = plt.load(q_ref.at[token_rows, head[:, None], lane[None, :]], mask=head_used[:, None] & lane_used[None, :],
                  other=0)
@@ -47,22 +48,13 @@ def _compressed_attention_kernel(
 
     def load_rows(rows_ref, table_ref, slot, pages_per_slot, rows_per_page, index, used):
         """Rows at per-sequence row `index` (a position, or an entry id) through the page table."""
-        index = jnp.where(used, index, 0)
-        page_slot = jnp.clip(index // rows_per_page, 0, table_ref.shape[1] - 1)
-        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=used, other=0)
-        flat = (slot * pages_per_slot + page) * rows_per_page + index % rows_per_page
+        flat = page_rows(table_ref, seq, jnp.where(used, index, 0), used, slot, pages_per_slot, rows_per_page)
         rows = plt.load(rows_ref.at[flat[:, None], lane[None, :]], mask=used[:, None] & lane_used[None, :], other=0)
         return rows.astype(q.dtype)
 
     def update(carry, rows, used):
-        m, denom, acc = carry
-        scores = plt.dot(q, rows, trans_b=True, **precise) * sm_scale
-        scores = jnp.where(used[None, :], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[:, None])
-        return m_new, denom * alpha + p.sum(axis=1), acc * alpha[:, None] + plt.dot(p.astype(rows.dtype), rows,
-                                                                                     **precise)
+        scores = jnp.where(used[None, :], plt.dot(q, rows, trans_b=True, **precise) * sm_scale, -jnp.inf)
+        return online_softmax_step(carry, scores, lambda p: plt.dot(p.astype(rows.dtype), rows, **precise))
 
     def window_tile(index, carry):
         offset = index * kv_block + offsets
@@ -72,9 +64,7 @@ def _compressed_attention_kernel(
                          key_position, used)
         return update(carry, rows, used)
 
-    carry = (jnp.full((head_block,), _NEG_LARGE, jnp.float32), jnp.zeros((head_block,), jnp.float32),
-             jnp.zeros((head_block, lane.shape[0]), jnp.float32))
-    carry = jax.lax.fori_loop(0, -(-window // kv_block), window_tile, carry)
+    carry = jax.lax.fori_loop(0, -(-window // kv_block), window_tile, online_softmax_init((head_block,), lane.shape[0]))
     if mode == "selected":  # CSA: the indexer's picks, -1 = none
         width = selected_ref.shape[1]
 
@@ -106,38 +96,19 @@ def _compressed_attention_kernel(
               mask=head_used[:, None] & lane_used[None, :])
 
 
-def sliding_compressed_attention_kernel(
-    q: Float[Array, "tokens heads dim"],
-    window_pages: Float[Array, "slots pages page_size dim"],
-    window_slot: Int[Array, ""],
-    window_page_indices: Int[Array, "seqs max_pages"],
-    sinks: Float[Array, " heads"],
-    *,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
-    window: int,
-    sm_scale: float,
-    entry_pages: Float[Array, "slots pages entries_per_page dim"] | None = None,
-    entry_slot: Int[Array, ""] | None = None,
-    entry_page_indices: Int[Array, "seqs max_pages"] | None = None,
-    ratio: int = 1,
-    selected: Int[Array, "tokens topk"] | None = None,
-    batch_invariant: bool = False,
-    head_block: int | None = None,
-    kv_block: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    interpret: bool = False,
-) -> Float[Array, "tokens heads dim"]:
-    """`dsv4_attention.sliding_compressed_attention`'s contract as one kernel: the pages already hold
-    this step's rows and entries. `head_block` query heads per program (a power of two >= 16;
+def sliding_compressed_attention_kernel(*args, head_block: int | None = None, kv_block: int = 64,
+                                        num_warps: int = 4, num_stages: int = 2, interpret: bool = False, **kwargs):
+    """`dsv4_attention.sliding_compressed_attention`'s contract (its arguments) as one kernel: the pages
+    already hold this step's rows and entries. `head_block` query heads per program (a power of two >= 16;
     default min(heads, 64) rounded up), `kv_block` rows per step. Each token's arithmetic depends
     only on its own query, rows and selection, so batch-invariant numerics need nothing more."""
-    del batch_invariant
+    call, _ = contract_arguments(reference.sliding_compressed_attention, args, kwargs, tuning=False)
+    q, window_pages, sinks, selected = call.q, call.window_pages, call.sinks, call.selected
+    entry_pages, entry_slot, entry_page_indices = call.entry_pages, call.entry_slot, call.entry_page_indices
     num_tokens, num_heads, dim = q.shape
     num_slots, num_window_pages, page_size, row_dim = window_pages.shape
     head_block = head_block or max(16, next_power_of_two(min(num_heads, 64)))
-    _check_tiles("sliding_compressed_attention_kernel", head_block=head_block, kv_block=kv_block)
+    check_tiles("sliding_compressed_attention_kernel", dict(head_block=head_block, kv_block=kv_block))
     if row_dim != dim or sinks.shape != (num_heads,):
         raise KernelShapeError(f"sliding_compressed_attention_kernel: q {q.shape}, window pages {window_pages.shape} "
                                f"and sinks {sinks.shape} do not fit")
@@ -156,19 +127,17 @@ def sliding_compressed_attention_kernel(
     selected_tiles = ((last + kv_block - 1) // kv_block).astype(jnp.int32)
     kernel = functools.partial(
         _compressed_attention_kernel, mode=mode, head_block=head_block, num_heads=num_heads, kv_block=kv_block,
-        window=int(window), page_size=page_size, num_window_pages=num_window_pages, per_page=per_page,
-        num_entry_pages=num_entry_pages, ratio=int(ratio), entry_capacity=entry_page_indices.shape[1] * per_page,
-        dim=dim, sm_scale=float(sm_scale), interpret=bool(interpret))
-    spare = 1 if interpret else 0
-    out = pl.pallas_call(
+        window=int(call.window), page_size=page_size, num_window_pages=num_window_pages, per_page=per_page,
+        num_entry_pages=num_entry_pages, ratio=int(call.ratio), entry_capacity=entry_page_indices.shape[1] * per_page,
+        dim=dim, sm_scale=float(call.sm_scale), interpret=bool(interpret))
+    out = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens, num_heads + spare, dim), q.dtype),
-        grid=(num_tokens, pl.cdiv(num_heads, head_block)),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"dsv4_{mode}_attention",
-    )(jnp.asarray(window_slot, jnp.int32).reshape(1), jnp.asarray(entry_slot, jnp.int32).reshape(1),
-      token_seq_ids.astype(jnp.int32), token_positions.astype(jnp.int32), window_page_indices.astype(jnp.int32),
+        out_shape=jax.ShapeDtypeStruct((num_tokens, num_heads + spare_rows(interpret), dim), q.dtype),
+        grid=(num_tokens, pl.cdiv(num_heads, head_block)), name=f"dsv4_{mode}_attention", num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret,
+    )(jnp.asarray(call.window_slot, jnp.int32).reshape(1), jnp.asarray(entry_slot, jnp.int32).reshape(1),
+      call.token_seq_ids.astype(jnp.int32), call.token_positions.astype(jnp.int32),
+      call.window_page_indices.astype(jnp.int32),
       entry_page_indices.astype(jnp.int32), selected.astype(jnp.int32), selected_tiles, sinks.astype(jnp.float32), q,
       window_pages.reshape(num_slots * num_window_pages * page_size, dim),
       entry_pages.reshape(entry_slots * num_entry_pages * per_page, dim))

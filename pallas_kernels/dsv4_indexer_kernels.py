@@ -26,20 +26,13 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
+from pallas_kernels import dsv4_attention as reference
 from pallas_kernels.ragged_work import next_power_of_two
+from pallas_kernels.triton_call import (
+    check_tiles, contract_arguments, item_rows, lanes, page_rows, spare_rows, store_index, triton_call,
+)
 
 _INT_MIN = -(2**31)
-
-
-def _check_tiles(op: str, **values: int) -> None:
-    for name, value in values.items():
-        if value != next_power_of_two(value) or value < 16:
-            raise KernelShapeError(f"{op}: {name}={value} must be a power of two >= 16 (tiles and dot rows)")
-
-
-def _lanes(width: int):
-    lane = jnp.arange(max(16, next_power_of_two(width)), dtype=jnp.int32)
-    return lane, lane < width
 
 
 def seq_runs(token_seq_ids: Int[Array, " tokens"], tokens_per_item: int):
@@ -70,14 +63,9 @@ def _indexer_scores_kernel(
     item = pl.program_id(0)
     start, count = item_start_ref[item], item_count_ref[item]
     seq = seq_ref[start]
-    max_pages = table_ref.shape[1]
     tokens_per_tile = rows // heads_per_token
-    row = jnp.arange(rows, dtype=jnp.int32)
-    head = row % heads_per_token
-    row_used = (row // heads_per_token < count) & (head < num_heads)
-    row_token = jnp.where(row_used, start + row // heads_per_token, 0)
-    head = jnp.where(row_used, head, 0)
-    lane, lane_used = _lanes(dim)
+    row_token, head, row_used = item_rows(rows, heads_per_token, start, count, num_heads=num_heads)
+    lane, lane_used = lanes(dim)
     q = plt.load(q_ref.at[row_token[:, None], head[:, None], lane[None, :]],
                  mask=row_used[:, None] & lane_used[None, :], other=0)
     weights = plt.load(w_ref.at[row_token, head], mask=row_used, other=0.0).astype(jnp.float32)
@@ -86,7 +74,7 @@ def _indexer_scores_kernel(
     local = jnp.arange(tokens_per_tile, dtype=jnp.int32)
     token_used = local < count
     token = jnp.where(token_used, start + local, 0)
-    store_token = jnp.where(token_used, token, scores_ref.shape[0] - 1) if interpret else token
+    store_token = store_index(token, token_used, scores_ref.shape[0] - 1, interpret)
     position = plt.load(positions_ref.at[token], mask=token_used, other=0)
     ended = jnp.where(token_used, jnp.minimum((position + 1) // ratio, capacity), 0)
     last = jnp.max(ended)
@@ -95,9 +83,7 @@ def _indexer_scores_kernel(
     def tile(index, carry):
         entry = index * kv_block + offsets
         entry_used = entry < last
-        page_slot = jnp.minimum(entry // per_page, max_pages - 1)
-        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=entry_used, other=0)
-        flat = (slot_ref[0] * num_pages + page) * per_page + entry % per_page
+        flat = page_rows(table_ref, seq, entry, entry_used, slot_ref[0], num_pages, per_page)
         keys = plt.load(keys_ref.at[flat[:, None], lane[None, :]], mask=entry_used[:, None] & lane_used[None, :],
                         other=0)
         logits = plt.dot(q, keys.astype(q.dtype), trans_b=True, **precise)
@@ -140,7 +126,7 @@ def indexer_scores_kernel(
     heads_per_token = next_power_of_two(num_heads)
     tokens_per_item = 1 if one_token_per_item else max(1, query_rows // heads_per_token)
     rows = max(16, tokens_per_item * heads_per_token)
-    _check_tiles("indexer_scores_kernel", kv_block=kv_block, rows=rows)
+    check_tiles("indexer_scores_kernel", dict(kv_block=kv_block, rows=rows))
     capacity = page_indices.shape[1] * per_page
     width = -(-capacity // kv_block) * kv_block
     item_start, item_count = seq_runs(token_seq_ids.astype(jnp.int32), tokens_per_item)
@@ -148,14 +134,11 @@ def indexer_scores_kernel(
         _indexer_scores_kernel, heads_per_token=heads_per_token, num_heads=num_heads, rows=rows, kv_block=kv_block,
         per_page=per_page, num_pages=num_pages, ratio=ratio, capacity=capacity, dim=dim, sm_scale=float(sm_scale),
         interpret=bool(interpret))
-    spare = 1 if interpret else 0
-    scores = pl.pallas_call(
+    scores = triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens + spare, width), jnp.float32),
-        grid=(num_tokens,),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=jax.ShapeDtypeStruct((num_tokens + spare_rows(interpret), width), jnp.float32),
+        grid=(num_tokens,), name="dsv4_indexer_scores", num_warps=num_warps, num_stages=num_stages,
         interpret=interpret,
-        name="dsv4_indexer_scores",
     )(jnp.asarray(slot, jnp.int32).reshape(1), item_start, item_count, token_seq_ids.astype(jnp.int32),
       token_positions.astype(jnp.int32), page_indices.astype(jnp.int32), q, weights,
       key_pages.reshape(num_slots * num_pages * per_page, dim))
@@ -257,55 +240,35 @@ def topk_entries_kernel(
     """`indexer_topk`'s selection over `indexer_scores_kernel`'s scores: per token the `topk` best of
     its ended entries (at most `num_entries`), best first, ties to the lower entry, -1 padded."""
     num_tokens = scores.shape[0]
-    _check_tiles("topk_entries_kernel", chunk=chunk, order_tile=order_tile)
+    check_tiles("topk_entries_kernel", dict(chunk=chunk, order_tile=order_tile))
     padded_topk = max(order_tile, next_power_of_two(topk))
     ended = _entries_ended(token_positions, ratio, num_entries)
     keep = jnp.minimum(ended, topk).astype(jnp.int32)
-    spare = 1 if interpret else 0
-    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
-    kept_entry, kept_key = pl.pallas_call(
+    call = functools.partial(triton_call, num_warps=num_warps, num_stages=1, interpret=interpret)
+    kept_entry, kept_key = call(
         functools.partial(_topk_select_kernel, chunk=chunk, padded_topk=padded_topk, interpret=bool(interpret)),
-        out_shape=(jax.ShapeDtypeStruct((num_tokens, padded_topk + spare), jnp.int32),) * 2,
-        grid=(num_tokens,),
-        compiler_params=params,
-        interpret=interpret,
-        name="dsv4_indexer_top_k_select",
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, padded_topk + spare_rows(interpret)), jnp.int32),) * 2,
+        grid=(num_tokens,), name="dsv4_indexer_top_k_select",
     )(ended, keep, scores)
-    selected = pl.pallas_call(
+    selected = call(
         functools.partial(_topk_order_kernel, tile=order_tile, chunk=chunk),
         out_shape=jax.ShapeDtypeStruct((num_tokens, padded_topk), jnp.int32),
-        grid=(num_tokens, padded_topk // order_tile),
-        compiler_params=params,
-        interpret=interpret,
-        name="dsv4_indexer_top_k_order",
+        grid=(num_tokens, padded_topk // order_tile), name="dsv4_indexer_top_k_order",
     )(keep, kept_entry, kept_key)
     return selected[:, :topk]
 
 
-def indexer_topk_kernel(
-    q: Float[Array, "tokens heads dim"],
-    weights: Float[Array, "tokens heads"],
-    key_pages: Float[Array, "slots pages entries_per_page dim"],
-    slot: int | Array,
-    page_indices: Int[Array, "seqs max_pages"],
-    *,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
-    ratio: int,
-    topk: int,
-    sm_scale: float,
-    batch_invariant: bool = False,
-    interpret: bool = False,
-    score_options: dict | None = None,
-    select_options: dict | None = None,
-) -> Int[Array, "tokens topk"]:
-    """`dsv4_attention.indexer_topk`'s contract as the score and top-k kernels. Batch-invariant
-    numerics score one token per work item (a token's key tiles never depend on its neighbours)."""
+def indexer_topk_kernel(*args, interpret: bool = False, score_options: dict | None = None,
+                        select_options: dict | None = None, **kwargs) -> Int[Array, "tokens topk"]:
+    """`dsv4_attention.indexer_topk`'s contract (its arguments) as the score and top-k kernels.
+    Batch-invariant numerics score one token per work item (a token's key tiles never depend on its
+    neighbours)."""
+    call, _ = contract_arguments(reference.indexer_topk, args, kwargs, tuning=False)
     score_options = dict(score_options or {})
-    score_options.setdefault("one_token_per_item", batch_invariant)
-    scores = indexer_scores_kernel(q, weights, key_pages, slot, page_indices, token_seq_ids=token_seq_ids,
-                                   token_positions=token_positions, ratio=ratio, sm_scale=sm_scale,
-                                   interpret=interpret, **score_options)
-    return topk_entries_kernel(scores, token_positions, ratio=ratio, topk=topk,
-                               num_entries=page_indices.shape[1] * key_pages.shape[2], interpret=interpret,
+    score_options.setdefault("one_token_per_item", call.batch_invariant)
+    scores = indexer_scores_kernel(call.q, call.weights, call.key_pages, call.slot, call.page_indices,
+                                   token_seq_ids=call.token_seq_ids, token_positions=call.token_positions,
+                                   ratio=call.ratio, sm_scale=call.sm_scale, interpret=interpret, **score_options)
+    return topk_entries_kernel(scores, call.token_positions, ratio=call.ratio, topk=call.topk,
+                               num_entries=call.page_indices.shape[1] * call.key_pages.shape[2], interpret=interpret,
                                **(select_options or {}))

@@ -20,6 +20,8 @@ when no row has more than one token (decode).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -223,6 +225,42 @@ def l2norm(x: Float[Array, "... D"]) -> Float[Array, "... D"]:
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
+class MixerInputs(NamedTuple):
+    """What a KDA step reads besides q, k, v: the int32 row metadata, each row's new token count
+    `lens`, its state before the step (`initial`, `old_tails`) and its conv tail after it (`tails`)."""
+
+    cu_q_lens: Array
+    kv_lens: Array
+    state_page_ids: Array
+    token_seq_ids: Array
+    lens: Array
+    initial: Array
+    old_tails: Array
+    tails: Array
+
+
+def mixer_inputs(mixed_qkv, conv_weight, state_pages, cu_q_lens, kv_lens, state_page_ids, token_seq_ids, *, slot,
+                 num_heads: int, head_dim: int, batch_invariant: bool):
+    """The step's q (normed, scaled), k (normed) and v `[T, H, D]` after the short conv (from each
+    row's conv tail in its state page) and SiLU, and the `MixerInputs` around them."""
+    num_tokens = mixed_qkv.shape[0]
+    width = num_heads * head_dim
+    cu_q_lens, kv_lens, state_page_ids, token_seq_ids = (
+        jnp.asarray(x, jnp.int32) for x in (cu_q_lens, kv_lens, state_page_ids, token_seq_ids))
+    lens, starts = row_spans(cu_q_lens, kv_lens)
+    initial, old_tails = read_states(state_pages, slot, state_page_ids, starts, num_heads, head_dim,
+                                     conv_weight.shape[1])
+    mixed, tails = ragged_causal_conv(mixed_qkv, conv_weight, old_tails, cu_q_lens, token_seq_ids)
+    mixed = jax.nn.silu(mixed)
+    q, k, v = (mixed[:, i * width:(i + 1) * width].reshape(num_tokens, num_heads, head_dim) for i in range(3))
+    if batch_invariant:  # a reduction over D whose order XLA would otherwise pick by row count
+        q, k = map_row_blocks(l2norm, q), map_row_blocks(l2norm, k)
+    else:
+        q, k = l2norm(q), l2norm(k)
+    return q * (head_dim ** -0.5), k, v, MixerInputs(cu_q_lens, kv_lens, state_page_ids, token_seq_ids, lens,
+                                                    initial, old_tails, tails)
+
+
 def kimi_delta_attention(
     mixed_qkv: Float[Array, "T C"],
     g: Float[Array, "T H D"],
@@ -255,20 +293,11 @@ def kimi_delta_attention(
     recurrent-state checkpoints inside a prefill chunk, equal to the state a run that ends there keeps.
     """
     num_tokens = mixed_qkv.shape[0]
-    width = num_heads * head_dim
-    cu_q_lens, kv_lens, state_page_ids, token_seq_ids = (
-        jnp.asarray(x, jnp.int32) for x in (cu_q_lens, kv_lens, state_page_ids, token_seq_ids))
-    lens, starts = row_spans(cu_q_lens, kv_lens)
-    initial, old_tails = read_states(state_pages, slot, state_page_ids, starts, num_heads, head_dim,
-                                     conv_weight.shape[1])
-    mixed, tails = ragged_causal_conv(mixed_qkv, conv_weight, old_tails, cu_q_lens, token_seq_ids)
-    mixed = jax.nn.silu(mixed)
-    q, k, v = (mixed[:, i * width:(i + 1) * width].reshape(num_tokens, num_heads, head_dim) for i in range(3))
-    if batch_invariant:  # a reduction over D whose order XLA would otherwise pick by row count
-        q, k = map_row_blocks(l2norm, q), map_row_blocks(l2norm, k)
-    else:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (head_dim ** -0.5)
+    q, k, v, inputs = mixer_inputs(mixed_qkv, conv_weight, state_pages, cu_q_lens, kv_lens, state_page_ids,
+                                   token_seq_ids, slot=slot, num_heads=num_heads, head_dim=head_dim,
+                                   batch_invariant=batch_invariant)
+    cu_q_lens, state_page_ids, token_seq_ids = inputs.cu_q_lens, inputs.state_page_ids, inputs.token_seq_ids
+    initial, old_tails = inputs.initial, inputs.old_tails
     g, beta = jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32)
     snap = {}
     if state_saves is not None:
@@ -279,7 +308,7 @@ def kimi_delta_attention(
     out, recurrent, snapshots = gated_delta_rule(q, k, v, g, beta, initial, cu_q_lens, token_seq_ids,
                                                  batch_invariant=batch_invariant, chunk_size=chunk_size, **snap)
     valid = (jnp.arange(num_tokens) < cu_q_lens[-1])[:, None, None]
-    state_pages = write_states(state_pages, slot, state_page_ids, lens, recurrent, tails)
+    state_pages = write_states(state_pages, slot, state_page_ids, inputs.lens, recurrent, inputs.tails)
     if state_saves is not None:
         state_pages = kda_states.write_snapshots(state_pages, slot, save_tokens, save_pages, snapshots, old_tails,
                                                  mixed_qkv, cu_q_lens, token_seq_ids)

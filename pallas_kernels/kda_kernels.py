@@ -15,6 +15,7 @@ on a GPU; interpret mode on a CPU (the CPU runner never uses these kernels).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +25,11 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
 from pallas_kernels import kda, kda_states
-from pallas_kernels.kda_recurrence import read_states, row_spans
 from pallas_kernels.ragged_work import next_power_of_two
+from pallas_kernels.triton_call import contract_arguments, lanes, spare_rows, triton_call
 
 # Tokens per chunk of the chunked kernel: the smallest dot a Triton kernel takes.
 KERNEL_CHUNK = 16
-
-
-def _lanes(count: int, minimum: int = 1) -> tuple[Array, Array]:
-    lane = jnp.arange(max(minimum, next_power_of_two(count)), dtype=jnp.int32)
-    return lane, lane < count
 
 
 def _state_tile(head, dim, key_lane, value_lane):
@@ -41,22 +37,47 @@ def _state_tile(head, dim, key_lane, value_lane):
     return head * dim * dim + key_lane[:, None] * dim + value_lane[None, :]
 
 
-def _decode_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                   pages_in_ref, out_ref, pages_ref, *, dim, value_block, num_pages):
-    del pages_in_ref  # aliased with pages_ref
+def _row_program(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, pages_ref, *, dim, value_block, num_pages,
+                 key_lanes_at_least):
+    """This program's row, head and block of value channels, and its state block read from the row's page
+    (zeros for a row that starts at 0 or holds no token)."""
     row, head, value_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first, end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
     has_token = end > first
     resumes = kv_lens_ref[row] - (end - first) > 0
     page = slot_ref[0] * num_pages + page_ids_ref[row]
-    token = jnp.where(has_token, first, out_ref.shape[0] - 1)  # a row without a token stores nothing
-
-    key_lane, key_used = _lanes(dim)
+    key_lane, key_used = lanes(dim, minimum=key_lanes_at_least)
     value_lane = value_tile * value_block + jnp.arange(value_block, dtype=jnp.int32)
     value_used = value_lane < dim
     tile_used = key_used[:, None] & value_used[None, :]
     tile = _state_tile(head, dim, key_lane, value_lane)
     state = plt.load(pages_ref.at[page, tile], mask=tile_used & has_token & resumes, other=0.0)
+    return _RowProgram(head, first, end, has_token, page, key_lane, key_used, value_lane, value_used, tile,
+                       tile_used, state)
+
+
+class _RowProgram(NamedTuple):
+    head: Array
+    first: Array
+    end: Array
+    has_token: Array
+    page: Array
+    key_lane: Array
+    key_used: Array
+    value_lane: Array
+    value_used: Array
+    tile: Array
+    tile_used: Array
+    state: Array
+
+
+def _decode_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                   pages_in_ref, out_ref, pages_ref, *, dim, value_block, num_pages):
+    del pages_in_ref  # aliased with pages_ref
+    (head, first, _, has_token, page, key_lane, key_used, value_lane, value_used, tile, tile_used,
+     state) = _row_program(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, pages_ref, dim=dim,
+                           value_block=value_block, num_pages=num_pages, key_lanes_at_least=1)
+    token = jnp.where(has_token, first, out_ref.shape[0] - 1)  # a row without a token stores nothing
 
     def vector(ref, lane, used):
         return plt.load(ref.at[token, head, lane], mask=used & has_token, other=0.0).astype(jnp.float32)
@@ -77,18 +98,9 @@ def _decode_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_
 def _chunk_kernel(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                   pages_in_ref, out_ref, pages_ref, *, dim, value_block, chunk, num_pages):
     del pages_in_ref  # aliased with pages_ref
-    row, head, value_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    first, end = cu_q_lens_ref[row], cu_q_lens_ref[row + 1]
-    has_token = end > first
-    resumes = kv_lens_ref[row] - (end - first) > 0
-    page = slot_ref[0] * num_pages + page_ids_ref[row]
-
-    key_lane, key_used = _lanes(dim, 16)
-    value_lane = value_tile * value_block + jnp.arange(value_block, dtype=jnp.int32)
-    value_used = value_lane < dim
-    tile_used = key_used[:, None] & value_used[None, :]
-    tile = _state_tile(head, dim, key_lane, value_lane)
-    state = plt.load(pages_ref.at[page, tile], mask=tile_used & has_token & resumes, other=0.0)
+    (head, first, end, has_token, page, key_lane, key_used, value_lane, value_used, tile, tile_used,
+     state) = _row_program(slot_ref, cu_q_lens_ref, kv_lens_ref, page_ids_ref, pages_ref, dim=dim,
+                           value_block=value_block, num_pages=num_pages, key_lanes_at_least=16)
 
     position = jnp.arange(chunk, dtype=jnp.int32)
     later = position[:, None] > position[None, :]  # [r, s]: s strictly before r
@@ -189,17 +201,14 @@ def delta_rule_kernel(
     options = dict(dim=dim, value_block=value_block, num_pages=num_pages)
     kernel = (functools.partial(_decode_kernel, **options) if decode
               else functools.partial(_chunk_kernel, chunk=KERNEL_CHUNK, **options))
-    spare = 1 if interpret else 0  # a token row for masked stores to land on in interpret mode
+    spare = spare_rows(interpret)
     pad = lambda x: jnp.pad(x, [(0, spare)] + [(0, 0)] * (x.ndim - 1)) if spare else x  # noqa: E731
-    out, pages = pl.pallas_call(
+    out, pages = triton_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((num_tokens + spare, num_heads, dim), jnp.float32),
                    jax.ShapeDtypeStruct((num_slots * num_pages, size), jnp.float32)),
-        grid=(num_seqs, num_heads, pl.cdiv(dim, value_block)),
-        input_output_aliases={9: 1},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="kda_decode_step" if decode else "kda_chunk_scan",
+        grid=(num_seqs, num_heads, pl.cdiv(dim, value_block)), name="kda_decode_step" if decode else "kda_chunk_scan",
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, input_output_aliases={9: 1},
     )(
         jnp.asarray(slot, jnp.int32).reshape(1), cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
         state_page_ids.astype(jnp.int32), *(pad(x.astype(jnp.float32)) for x in (q, k, v, g, beta)),
@@ -209,65 +218,38 @@ def delta_rule_kernel(
     return jnp.where(valid, out[:num_tokens], 0.0), pages.reshape(state_pages.shape)
 
 
-def kimi_delta_attention_kernel(
-    mixed_qkv: Float[Array, "T C"],
-    g: Float[Array, "T H D"],
-    beta: Float[Array, "T H"],
-    conv_weight: Float[Array, "C K"],
-    state_pages: Float[Array, "slots pages size"],
-    cu_q_lens: Int[Array, " B1"],
-    kv_lens: Int[Array, " B"],
-    state_page_ids: Int[Array, " B"],
-    *,
-    slot: Int[Array, ""] | int,
-    token_seq_ids: Int[Array, " T"],
-    num_heads: int,
-    head_dim: int,
-    batch_invariant: bool = False,
-    chunk_size: int = kda.CHUNK_SIZE,
-    interpret: bool = False,
-    draft_states: tuple | None = None,
-    state_saves: tuple | None = None,
-    **options,
-) -> tuple[Float[Array, "T H D"], Float[Array, "slots pages size"]]:
-    """`kda.kimi_delta_attention`'s contract with the delta rule in the kernels: the decode step when
-    no row holds more than one token, the chunked kernel otherwise (chosen at run time). In
-    batch-invariant numerics the reference runs (token-sequential by contract), and so does a step that
-    saves states inside a chunk (`state_saves`: the kernels keep only each row's last state).
-    `options` tune `delta_rule_kernel`."""
-    reference = functools.partial(
-        kda.kimi_delta_attention, slot=slot, token_seq_ids=token_seq_ids, num_heads=num_heads, head_dim=head_dim,
-        chunk_size=chunk_size, draft_states=draft_states)
-    args = (mixed_qkv, g, beta, conv_weight, state_pages, cu_q_lens, kv_lens, state_page_ids)
-    if batch_invariant:
-        return reference(*args, batch_invariant=True, state_saves=state_saves)
-    if state_saves is not None:
-        kernel_run = functools.partial(kimi_delta_attention_kernel, slot=slot, token_seq_ids=token_seq_ids,
-                                       num_heads=num_heads, head_dim=head_dim, chunk_size=chunk_size,
-                                       interpret=interpret, draft_states=draft_states, **options)
-        saving = jnp.any(jnp.asarray(state_saves[1]) < state_pages.shape[1])
-        return jax.lax.cond(saving, lambda *a: reference(*a, state_saves=state_saves), kernel_run, *args)
-    num_tokens, kernel = mixed_qkv.shape[0], conv_weight.shape[1]
-    width = num_heads * head_dim
-    cu_q_lens, kv_lens, state_page_ids, token_seq_ids = (
-        jnp.asarray(x, jnp.int32) for x in (cu_q_lens, kv_lens, state_page_ids, token_seq_ids))
-    lens, starts = row_spans(cu_q_lens, kv_lens)
-    initial, old_tails = read_states(state_pages, slot, state_page_ids, starts, num_heads, head_dim, kernel)
-    mixed, tails = kda.ragged_causal_conv(mixed_qkv, conv_weight, old_tails, cu_q_lens, token_seq_ids)
-    mixed = jax.nn.silu(mixed)
-    q, k, v = (mixed[:, i * width:(i + 1) * width].reshape(num_tokens, num_heads, head_dim) for i in range(3))
-    q = kda.l2norm(q) * (head_dim ** -0.5)
-    k = kda.l2norm(k)
-    args = (q, k, v, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32), state_pages, cu_q_lens, kv_lens,
-            state_page_ids)
+def kimi_delta_attention_kernel(*args, interpret: bool = False, **kwargs):
+    """`kda.kimi_delta_attention`'s contract (its arguments) with the delta rule in the kernels: the
+    decode step when no row holds more than one token, the chunked kernel otherwise (chosen at run
+    time). In batch-invariant numerics the reference runs (token-sequential by contract), and so does a
+    step that saves states inside a chunk (`state_saves`: the kernels keep only each row's last state).
+    Other keywords tune `delta_rule_kernel`."""
+    call, options = contract_arguments(kda.kimi_delta_attention, args, kwargs)
+    operands = (call.mixed_qkv, call.g, call.beta, call.conv_weight, call.state_pages, call.cu_q_lens, call.kv_lens,
+                call.state_page_ids)
+    shared = dict(slot=call.slot, token_seq_ids=call.token_seq_ids, num_heads=call.num_heads, head_dim=call.head_dim,
+                  chunk_size=call.chunk_size, draft_states=call.draft_states)
+    reference = functools.partial(kda.kimi_delta_attention, **shared)
+    if call.batch_invariant:
+        return reference(*operands, batch_invariant=True, state_saves=call.state_saves)
+    if call.state_saves is not None:
+        kernel_run = functools.partial(kimi_delta_attention_kernel, **shared, interpret=interpret, **options)
+        saving = jnp.any(jnp.asarray(call.state_saves[1]) < call.state_pages.shape[1])
+        return jax.lax.cond(saving, lambda *a: reference(*a, state_saves=call.state_saves), kernel_run, *operands)
+    slot, num_heads, head_dim = call.slot, call.num_heads, call.head_dim
+    q, k, v, inputs = kda.mixer_inputs(call.mixed_qkv, call.conv_weight, call.state_pages, call.cu_q_lens,
+                                       call.kv_lens, call.state_page_ids, call.token_seq_ids, slot=slot,
+                                       num_heads=num_heads, head_dim=head_dim, batch_invariant=False)
+    g, beta = jnp.asarray(call.g, jnp.float32), jnp.asarray(call.beta, jnp.float32)
     run = functools.partial(delta_rule_kernel, slot=slot, interpret=interpret, **options)
-    out, state_pages = jax.lax.cond(jnp.max(lens) <= 1, functools.partial(run, decode=True),
+    args = (q, k, v, g, beta, call.state_pages, inputs.cu_q_lens, inputs.kv_lens, inputs.state_page_ids)
+    out, state_pages = jax.lax.cond(jnp.max(inputs.lens) <= 1, functools.partial(run, decode=True),
                                     functools.partial(run, decode=False), *args)
     recurrent = num_heads * head_dim * head_dim
-    rows = jnp.where(lens > 0, state_page_ids, state_pages.shape[1])
-    state_pages = state_pages.at[slot, rows, recurrent:].set(tails.reshape(tails.shape[0], -1), mode="drop")
-    if draft_states is not None:
-        inputs = (q, k, v, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32))
-        state_pages = kda_states.save_draft_states(state_pages, slot, draft_states, inputs, initial, old_tails,
-                                                   mixed_qkv, cu_q_lens)
+    rows = jnp.where(inputs.lens > 0, inputs.state_page_ids, state_pages.shape[1])
+    state_pages = state_pages.at[slot, rows, recurrent:].set(inputs.tails.reshape(inputs.tails.shape[0], -1),
+                                                              mode="drop")
+    if call.draft_states is not None:
+        state_pages = kda_states.save_draft_states(state_pages, slot, call.draft_states, (q, k, v, g, beta),
+                                                   inputs.initial, inputs.old_tails, call.mixed_qkv, inputs.cu_q_lens)
     return out, state_pages

@@ -21,15 +21,16 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from agentjax.numerics import map_row_blocks
 from pallas_kernels.kv_fp8 import load_rows, store_rows
-from pallas_kernels.ragged_work import merge_attention_partials, next_power_of_two, work_items
-
-# Query tokens per block in the fast path: a block inside one sequence shares its page gathers.
-FAST_QUERY_BLOCK = 64
-
-# Finite stand-in for -inf in the running max (a fully masked block then changes nothing).
-_NEG_LARGE = -1e30
+from pallas_kernels.online_softmax import online_softmax_init, online_softmax_result, online_softmax_step
+from pallas_kernels.ragged_paged_attention import (
+    attend_by_query_blocks, blocked_table, causal_visible, skipping_hidden_blocks, write_rows,
+)
+from pallas_kernels.ragged_work import merge_split_partials, next_power_of_two, work_items
+from pallas_kernels.triton_call import (
+    check_tiles, default_query_rows, item_rows, lanes, page_rows, query_positions, ragged_operands, spare_rows,
+    store_index, triton_call,
+)
 
 
 def write_latent(
@@ -42,10 +43,7 @@ def write_latent(
     """Scatter this step's latent rows into their entries (`page * page_size + offset`) of `slot`.
     Padding tokens carry entries of the null page 0, which nothing reads. `fp8_kv`: the pages hold
     packed FP8 rows (pallas_kernels/kv_fp8.py)."""
-    num_slots, num_pages, page_size, width = latent_pages.shape
-    flat = latent_pages.reshape(num_slots, num_pages * page_size, width)
-    flat = flat.at[slot, slot_mapping].set(store_rows(rows, latent_pages.dtype, fp8_kv), mode="drop")
-    return flat.reshape(num_slots, num_pages, page_size, width)
+    return write_rows(latent_pages, slot, store_rows(rows, latent_pages.dtype, fp8_kv), slot_mapping)
 
 
 def attend_latent(
@@ -68,25 +66,12 @@ def attend_latent(
     the pages hold FP8 rows, dequantised as they are gathered."""
     shared = token_page_table.ndim == 1
     num_tokens, num_heads, width = q.shape
-    page_size = latent_pages.shape[2]
-    max_pages = token_page_table.shape[-1]
-    pages_per_block = max(1, min(pages_per_block, max_pages))
-    pad = (-max_pages) % pages_per_block
-    if pad:
-        token_page_table = jnp.pad(token_page_table, [(0, 0)] * (token_page_table.ndim - 1) + [(0, pad)])
-    num_blocks = token_page_table.shape[-1] // pages_per_block
-    block_tokens = pages_per_block * page_size
-
+    token_page_table, pages_per_block, num_blocks, block_tokens = blocked_table(
+        token_page_table, pages_per_block, latent_pages.shape[2])
     q32 = q.astype(jnp.float32) * sm_scale
     offsets = jnp.arange(block_tokens, dtype=jnp.int32)
-    last_position = token_positions.max()
-
-    def body(block, carry):
-        # Blocks past every query's position are fully masked: skipping them is an exact no-op.
-        return jax.lax.cond(block * block_tokens <= last_position, attend_block, lambda _, c: c, block, carry)
 
     def attend_block(block, carry):
-        m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, -1)
         rows = load_rows(latent_pages, (slot, pages), width, fp8_kv)
         if shared:  # one sequence's rows for every query
@@ -95,27 +80,16 @@ def attend_latent(
         else:
             rows = rows.reshape(num_tokens, block_tokens, width)
             scores = jnp.einsum("thw,tsw->ths", q32, rows)
-        visible = (block * block_tokens + offsets)[None, :] <= token_positions[:, None]
+        visible = causal_visible(block * block_tokens + offsets, token_positions, None)
         scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[..., None])
-        denom = denom * alpha + p.sum(axis=-1)
         values = rows[..., :value_dim]
-        update = jnp.einsum("ths,sv->thv", p, values) if shared else jnp.einsum("ths,tsv->thv", p, values)
-        acc = acc * alpha[..., None] + update
-        return m_new, denom, acc
+        return online_softmax_step(carry, scores, lambda p: jnp.einsum("ths,sv->thv", p, values) if shared
+                                   else jnp.einsum("ths,tsv->thv", p, values))
 
-    init = (
-        jnp.full((num_tokens, num_heads), _NEG_LARGE, jnp.float32),
-        jnp.zeros((num_tokens, num_heads), jnp.float32),
-        jnp.zeros((num_tokens, num_heads, value_dim), jnp.float32),
-    )
-    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = (acc / jnp.where(denom == 0, 1.0, denom)[..., None]).astype(q.dtype)  # padding rows see no key
-    if not return_lse:
-        return out
-    return out, jnp.where(denom == 0, -jnp.inf, m + jnp.log(jnp.where(denom == 0, 1.0, denom)))
+    body = skipping_hidden_blocks(attend_block, block_tokens, token_positions)
+    carry = jax.lax.fori_loop(0, num_blocks, body, online_softmax_init((num_tokens, num_heads), value_dim))
+    out, lse = online_softmax_result(carry)  # padding rows see no key: out 0, LSE -inf
+    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
 
 
 def mla_paged_attention(
@@ -125,49 +99,45 @@ def mla_paged_attention(
     page_indices: Int[Array, "seqs max_pages"],
     *,
     layer: int | Array,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
     slot_mapping: Int[Array, " tokens"],
     value_dim: int,
     sm_scale: float,
+    token_seq_ids: Int[Array, " tokens"] | None = None,
+    token_positions: Int[Array, " tokens"] | None = None,
     batch_invariant: bool = False,
     kv_lens: Int[Array, " seqs"] | None = None,
     cu_q_lens: Int[Array, " seqs_plus_1"] | None = None,
     return_lse: bool = False,
     fp8_kv: bool = False,
+    attend=None,
+    **attend_options,
 ) -> tuple[Float[Array, "tokens heads value_dim"], Float[Array, "slots pages page_size width"]]:
     """Write this step's latent rows (`[c | k_rot]`) into slot `layer`'s pages, then attend with the
     absorbed queries: `(latent-space output [tokens, heads, value_dim], latent_pages)`.
 
     `width = kv_lora_rank + rope_dim` and `value_dim = kv_lora_rank`. In "batch_invariant" numerics
     every token is computed alone in fixed row blocks; the fast path lets a block of one sequence's
-    tokens share its page gathers. `kv_lens`/`cu_q_lens` are the kernel's row metadata, unused here.
-    `return_lse` adds each head's log-sum-exp: `(out, latent_pages, lse)` (decode context parallelism
-    merges partial results by it). `fp8_kv`: the pages hold FP8 rows (quantised as written).
+    tokens share its page gathers. `return_lse` adds each head's log-sum-exp: `(out, latent_pages,
+    lse)` (decode context parallelism merges partial results by it). `fp8_kv`: the pages hold FP8 rows
+    (quantised as written). `attend`: a kernel instead of the reference, `attend(q, latent_pages,
+    kv_lens, page_indices, cu_q_lens, layer=, value_dim=, sm_scale=, **attend_options) -> (out, lse)`
+    from the rows' `kv_lens`/`cu_q_lens` (which the reference does not read).
     """
-    del kv_lens, cu_q_lens  # encoded in the per-token metadata
     latent_pages = write_latent(latent_pages, layer, latent, slot_mapping, fp8_kv)
+    if attend is not None:
+        out, lse = attend(q, latent_pages, kv_lens, page_indices, cu_q_lens, layer=layer, value_dim=value_dim,
+                          sm_scale=sm_scale, **attend_options)
+        return (out, latent_pages, lse) if return_lse else (out, latent_pages)
+    if attend_options:
+        raise TypeError(f"mla_paged_attention: unexpected keyword arguments {sorted(attend_options)}")
 
-    def attend(q_rows, table_rows, position_rows):
+    def attend_rows(q_rows, table_rows, position_rows):
         return attend_latent(q_rows, latent_pages, layer, table_rows, position_rows,
                              value_dim=value_dim, sm_scale=sm_scale, return_lse=return_lse, fp8_kv=fp8_kv)
 
-    def result(out):
-        return (out[0], latent_pages, out[1]) if return_lse else (out, latent_pages)
-
-    token_tables = page_indices[token_seq_ids]
-    if batch_invariant:
-        return result(map_row_blocks(attend, q, token_tables, token_positions))
-
-    def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
-        return jax.lax.cond(
-            jnp.all(seq_rows == seq_rows[0]),
-            lambda: attend(q_rows, table_rows[0], position_rows),
-            lambda: attend(q_rows, table_rows, position_rows),
-        )
-
-    block = min(FAST_QUERY_BLOCK, q.shape[0])
-    return result(map_row_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids, block=block))
+    out = attend_by_query_blocks(attend_rows, q, page_indices, token_seq_ids, token_positions,
+                                 batch_invariant=batch_invariant)
+    return (out[0], latent_pages, out[1]) if return_lse else (out, latent_pages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,30 +158,19 @@ def _mla_decode_kernel(
     item, head_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, start, count = item_seq_ref[item], item_start_ref[item], item_count_ref[item]
     slot = slot_ref[0]
-    max_pages = table_ref.shape[1]
 
-    row = jnp.arange(query_rows, dtype=jnp.int32)
-    head = head_tile * head_block + row % head_block
-    row_used = (row // head_block < count) & (head < num_heads)
-    token = jnp.where(row_used, start + row // head_block, 0)
-    head = jnp.where(row_used, head, 0)
-    store_token = jnp.where(row_used, token, out_ref.shape[1] - 1) if interpret else token
-
-    seq_start, seq_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
-    context = kv_lens_ref[seq] - (seq_end - seq_start)
-    position = context + (token - seq_start)
-    kv_end = context + (start - seq_start) + count
+    token, head, row_used = item_rows(query_rows, head_block, start, count, head_tile * head_block, num_heads)
+    store_token = store_index(token, row_used, out_ref.shape[1] - 1, interpret)
+    position, first_position = query_positions(kv_lens_ref, cu_q_lens_ref, seq, start, token)
+    kv_end = first_position + count
     block_hi = jnp.where(count > 0, (kv_end + kv_block - 1) // kv_block, 0)
     per_split = (block_hi + num_splits - 1) // num_splits
     split_lo = jnp.minimum(split * per_split, block_hi)
     split_hi = jnp.minimum(split_lo + per_split, block_hi)
 
-    def lanes(first, width):
-        lane = jnp.arange(next_power_of_two(width), dtype=jnp.int32)
-        return first + lane, lane < width
-
-    value_lane, value_lane_used = lanes(0, value_dim)
-    rope_lane, rope_lane_used = lanes(value_dim, rope_dim)
+    value_lane, value_lane_used = lanes(value_dim, minimum=1)
+    rope_lane, rope_lane_used = lanes(rope_dim, minimum=1)
+    rope_lane = value_dim + rope_lane
 
     def load_query(lane, lane_used):
         return plt.load(q_ref.at[token[:, None], head[:, None], lane[None, :]],
@@ -223,12 +182,9 @@ def _mla_decode_kernel(
     key_offsets = jnp.arange(kv_block, dtype=jnp.int32)
 
     def attend_block(block, carry):
-        m, denom, acc = carry
         key_position = block * kv_block + key_offsets
         key_used = key_position < kv_end
-        page_slot = jnp.minimum(key_position // page_size, max_pages - 1)
-        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=key_used, other=0)
-        entry = (slot * num_pages + page) * page_size + key_position % page_size
+        entry = page_rows(table_ref, seq, key_position, key_used, slot, num_pages, page_size)
 
         def load_rows(lane, lane_used):
             return plt.load(rows_ref.at[entry[:, None], lane[None, :]],
@@ -239,27 +195,16 @@ def _mla_decode_kernel(
         if rope_dim:
             scores += plt.dot(q_rope, load_rows(rope_lane, rope_lane_used), trans_b=True, **precise)
         scores = scores * sm_scale
-        visible = (key_position[None, :] <= position[:, None]) & key_used[None, :]
+        visible = causal_visible(key_position, position, None) & key_used[None, :]
         scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[:, None])
-        denom = denom * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plt.dot(p.astype(values.dtype), values, **precise)
-        return m_new, denom, acc
+        return online_softmax_step(carry, scores, lambda p: plt.dot(p.astype(values.dtype), values, **precise))
 
-    init = (
-        jnp.full((query_rows,), _NEG_LARGE, jnp.float32),
-        jnp.zeros((query_rows,), jnp.float32),
-        jnp.zeros((query_rows, value_lane.shape[0]), jnp.float32),
-    )
-    m, denom, acc = jax.lax.fori_loop(split_lo, split_hi, attend_block, init)
-    safe_denom = jnp.where(denom == 0, 1.0, denom)
+    carry = online_softmax_init((query_rows,), value_lane.shape[0])
+    out, lse = online_softmax_result(jax.lax.fori_loop(split_lo, split_hi, attend_block, carry))
     split_rows = jnp.full((query_rows,), split, jnp.int32)
     plt.store(out_ref.at[split_rows[:, None], store_token[:, None], head[:, None], value_lane[None, :]],
-              (acc / safe_denom[:, None]).astype(out_ref.dtype), mask=row_used[:, None] & value_lane_used[None, :])
-    plt.store(lse_ref.at[split_rows, store_token, head], jnp.where(denom == 0, -jnp.inf, m + jnp.log(safe_denom)),
-              mask=row_used)
+              out.astype(out_ref.dtype), mask=row_used[:, None] & value_lane_used[None, :])
+    plt.store(lse_ref.at[split_rows, store_token, head], lse, mask=row_used)
 
 
 def mla_attention_kernel(
@@ -297,72 +242,38 @@ def mla_attention_kernel(
                                f"with value_dim={value_dim} (widths must match and value_dim <= {width})")
     if head_block is None:
         head_block = next_power_of_two(min(num_heads, 64))
-    if query_rows is None:
-        query_rows = 16 if num_tokens <= kv_lens.shape[0] else 64
-    query_rows = max(query_rows, head_block)
-    for name, value in (("head_block", head_block), ("query_rows", query_rows), ("kv_block", kv_block),
-                        ("page_size", page_size)):
-        if value != next_power_of_two(value) or (name in ("query_rows", "kv_block") and value < 16):
-            raise KernelShapeError(f"mla_attention_kernel: {name}={value} must be a power of two "
-                                   "(>= 16 for query_rows and kv_block)")
+    query_rows = max(default_query_rows(query_rows, num_tokens, kv_lens), head_block)
+    check_tiles("mla_attention_kernel", dict(query_rows=query_rows, kv_block=kv_block),
+                dict(head_block=head_block, page_size=page_size))
     if num_kv_splits < 1:
         raise KernelShapeError(f"mla_attention_kernel: num_kv_splits={num_kv_splits} must be >= 1")
 
     cu_q_lens = jnp.asarray(cu_q_lens, jnp.int32)
-    item_seq, item_start, item_count = work_items(cu_q_lens, num_tokens, query_rows // head_block)
+    items = work_items(cu_q_lens, num_tokens, query_rows // head_block)
     kernel = functools.partial(
         _mla_decode_kernel, head_block=head_block, query_rows=query_rows, kv_block=kv_block, page_size=page_size,
         num_pages=num_pages, num_heads=num_heads, value_dim=value_dim, rope_dim=rope_dim, sm_scale=float(sm_scale),
         num_splits=num_kv_splits, interpret=bool(interpret),
     )
-    spare = 1 if interpret else 0
+    spare = spare_rows(interpret)
     out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
-    outs, lses = pl.pallas_call(
+    outs, lses = triton_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((num_kv_splits, num_tokens + spare, num_heads, value_dim), out_dtype),
             jax.ShapeDtypeStruct((num_kv_splits, num_tokens + spare, num_heads), jnp.float32),
         ),
-        grid=(item_seq.shape[0], pl.cdiv(num_heads, head_block), num_kv_splits),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="mla_paged_attention",
-    )(
-        jnp.asarray(layer, jnp.int32).reshape(1), item_seq, item_start, item_count, kv_lens.astype(jnp.int32),
-        cu_q_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
-        latent_pages.reshape(num_slots * num_pages * page_size, width),
-    )
-    outs, lses = outs[:, :num_tokens], lses[:, :num_tokens]
-    out, lse = (outs[0], lses[0]) if num_kv_splits == 1 else merge_attention_partials(outs, lses)
-    real = jnp.arange(num_tokens) < cu_q_lens[-1]
-    return jnp.where(real[:, None, None], out, 0).astype(q.dtype), jnp.where(real[:, None], lse, -jnp.inf)
+        grid=(items[0].shape[0], pl.cdiv(num_heads, head_block), num_kv_splits),
+        name="mla_paged_attention", num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )(*ragged_operands(layer, items, kv_lens, cu_q_lens, page_indices), q,
+      latent_pages.reshape(num_slots * num_pages * page_size, width))
+    return merge_split_partials(outs, lses, num_tokens, cu_q_lens, q.dtype)
 
 
-def mla_paged_attention_kernel(
-    q: Float[Array, "tokens heads width"],
-    latent: Float[Array, "tokens width"],
-    latent_pages: Float[Array, "slots pages page_size width"],
-    page_indices: Int[Array, "seqs max_pages"],
-    *,
-    layer: int | Array,
-    slot_mapping: Int[Array, " tokens"],
-    kv_lens: Int[Array, " seqs"],
-    cu_q_lens: Int[Array, " seqs_plus_1"],
-    value_dim: int,
-    sm_scale: float,
-    token_seq_ids: Int[Array, " tokens"] | None = None,
-    token_positions: Int[Array, " tokens"] | None = None,
-    batch_invariant: bool = False,
-    return_lse: bool = False,
-    **options,
-):
+def mla_paged_attention_kernel(*args, interpret: bool = False, **kwargs):
     """`mla_paged_attention`'s contract (write the latent rows, attend: `(out, latent_pages)`, or
     `(out, latent_pages, lse)` with `return_lse`) with the attention as one kernel
-    (`mla_attention_kernel`, whose keyword `options` it takes). It needs the rows' `kv_lens` and
+    (`mla_attention_kernel`, whose tuning keywords it takes). It needs the rows' `kv_lens` and
     `cu_q_lens`; the per-token metadata is recomputed from them. A token's reduction order depends
     only on its own row and the fixed block sizes."""
-    del token_seq_ids, token_positions, batch_invariant
-    latent_pages = write_latent(latent_pages, layer, latent, slot_mapping)
-    out, lse = mla_attention_kernel(q, latent_pages, kv_lens, page_indices, cu_q_lens, layer=layer,
-                                    value_dim=value_dim, sm_scale=sm_scale, **options)
-    return (out, latent_pages, lse) if return_lse else (out, latent_pages)
+    return mla_paged_attention(*args, attend=functools.partial(mla_attention_kernel, interpret=interpret), **kwargs)

@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
 from pallas_kernels.ragged_work import work_items
+from pallas_kernels.triton_call import check_tiles, spare_rows, store_index, triton_call
 
 MXFP4_BLOCK = 32  # contraction elements sharing one E8M0 scale
 # E2M1 magnitudes of codes 0..7 (bit 3 is the sign).
@@ -195,7 +196,7 @@ def _grouped_matmul_kernel(
         return acc + plt.dot(load_lhs(first, block_k), weights.astype(lhs_ref.dtype), **precise)
 
     acc = jax.lax.fori_loop(0, num_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    store_rows = jnp.where(row_used, start + row, out_ref.shape[0] - 1) if interpret else start + row
+    store_rows = store_index(start + row, row_used, out_ref.shape[0] - 1, interpret)
     plt.store(out_ref.at[store_rows[:, None], column[None, :]], acc.astype(out_ref.dtype),
               mask=row_used[:, None] & column_used[None, :])
 
@@ -226,9 +227,7 @@ def grouped_matmul(
     if rhs_k != k or group_sizes.shape != (num_groups,):
         raise KernelShapeError(f"grouped_matmul: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
                                f"{group_sizes.shape} do not fit [M, K] x [G, K, N] with [G] sizes")
-    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if value < 16 or value & (value - 1):
-            raise KernelShapeError(f"grouped_matmul: {name}={value} must be a power of two >= 16")
+    check_tiles("grouped_matmul", dict(block_m=block_m, block_n=block_n, block_k=block_k))
     if weight_format == "mxfp4" and (block_k < 32 or k % (2 * MXFP4_BLOCK)):
         raise KernelShapeError(f"grouped_matmul: MXFP4 needs block_k >= 32 and K a multiple of 64; got "
                                f"block_k={block_k}, K={k}")
@@ -241,13 +240,11 @@ def grouped_matmul(
         _grouped_matmul_kernel, num_groups=num_groups, block_m=block_m, block_n=block_n, block_k=block_k,
         weight_format=weight_format, scale_block=scale_block, interpret=interpret,
     )
-    spare = 1 if interpret else 0  # a row for masked stores to land on in interpret mode
-    out = pl.pallas_call(
+    spare = spare_rows(interpret)
+    out = triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m + spare, n), lhs.dtype),
-        grid=(item_group.shape[0], pl.cdiv(n, block_n)),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"grouped_matmul_{weight_format}",
+        grid=(item_group.shape[0], pl.cdiv(n, block_n)), name=f"grouped_matmul_{weight_format}",
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )(item_group, item_start, item_count, lhs, *weight_arrays)
     return out[:m] if spare else out

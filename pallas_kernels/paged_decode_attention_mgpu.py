@@ -18,16 +18,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.ragged_paged_attention import write_kv
-from pallas_kernels.ragged_work import merge_attention_partials
+from pallas_kernels.online_softmax import NEG_LARGE, online_softmax_result, online_softmax_step
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, soft_capped
+from pallas_kernels.ragged_work import merge_attention_partials, with_sink_partial
 
 WGMMA_ROWS = 64  # a warpgroup matmul's row count: the padded query rows of one GQA group
-_NEG_LARGE = -1e30
 
 
 def _decode_kernel(
-    layer_ref, kv_lens_ref, table_ref, q_ref, kv_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, q_barrier, k_barriers, v_barriers, *, block_kv, page_size, num_kv_heads, num_splits, max_steps, sm_scale,
-    sliding_window, soft_cap,
+    layer_ref, kv_lens_ref, table_ref, q_ref, kv_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, q_barrier,
+    k_barriers, v_barriers, *, block_kv, page_size, num_kv_heads, num_splits, max_steps, sm_scale, sliding_window,
+    soft_cap,
 ):
     seq, kv_head, split = jax.lax.axis_index("seq"), jax.lax.axis_index("kv_head"), jax.lax.axis_index("split")
     layer = layer_ref[0]
@@ -61,7 +62,6 @@ def _decode_kernel(
     plgpu.barrier_wait(q_barrier)
 
     def attend_block(step, carry):
-        acc, m, denom = carry
         slot = jax.lax.rem(step, max_steps)
         plgpu.barrier_wait(k_barriers.at[slot])
 
@@ -70,44 +70,39 @@ def _decode_kernel(
             return acc_ref[...]
 
         scores = pl.run_scoped(scores_scope, plgpu.ACC((WGMMA_ROWS, block_kv), jnp.float32)) * sm_scale
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        scores = soft_capped(scores, soft_cap)
         key = (split_lo + step) * block_kv + plgpu.broadcasted_iota(
             jnp.int32, (WGMMA_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
         visible = key < kv_len
         if sliding_window is not None:
             visible &= key >= kv_begin
         scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - jax.lax.broadcast_in_dim(m_new, scores.shape, [0]))
-        denom = denom * alpha + p.sum(axis=1)
-        acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-        # The probabilities go through shared memory (a wgmma operand the GPU interpreter can follow).
-        p_smem[...] = p.astype(p_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(v_barriers.at[slot])
 
-        def values_scope(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-            return acc_ref[...]
+        def weigh_values(p):
+            # The probabilities go through shared memory (a wgmma operand the GPU interpreter can follow).
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_barriers.at[slot])
 
-        acc = acc + pl.run_scoped(values_scope, plgpu.ACC((WGMMA_ROWS, acc.shape[1]), jnp.float32))
+            def values_scope(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            return pl.run_scoped(values_scope, plgpu.ACC((WGMMA_ROWS, q_smem.shape[-1]), jnp.float32))
+
+        carry = online_softmax_step(carry, scores, weigh_values)
         # The slot's pages are consumed (the wgmmas above completed): refill it.
         pl.when(step + max_steps < num_steps)(lambda: issue(step + max_steps, slot))
-        return acc, m_new, denom
+        return carry
 
-    head_dim = q_smem.shape[-1]
     init = (
-        plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-        plgpu.layout_cast(jnp.full((WGMMA_ROWS,), _NEG_LARGE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.full((WGMMA_ROWS,), NEG_LARGE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         plgpu.layout_cast(jnp.zeros((WGMMA_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        plgpu.layout_cast(jnp.zeros((WGMMA_ROWS, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
     )
-    acc, m, denom = jax.lax.fori_loop(0, num_steps, attend_block, init)
-    safe_denom = jnp.where(denom == 0, 1.0, denom)
     # Straight from registers to global memory: the partials are small next to the pages read.
-    out_ref[split, seq, kv_head] = acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0])
-    lse_ref[split, seq, kv_head] = jnp.where(denom == 0, -jnp.inf, m + jnp.log(safe_denom))
+    out_ref[split, seq, kv_head], lse_ref[split, seq, kv_head] = online_softmax_result(
+        jax.lax.fori_loop(0, num_steps, attend_block, init))
 
 
 def unsupported_shapes(q: Array, kv_pages: Array, block_kv: int = 64) -> list[str]:
@@ -191,47 +186,21 @@ def paged_decode_attention(
       kv_pages)
     outs = outs[:, :, :, :group].reshape(num_kv_splits, num_seqs, num_heads, dim)
     lses = lses[:, :, :, :group].reshape(num_kv_splits, num_seqs, num_heads)
-    if sinks is not None:
-        outs = jnp.concatenate([outs, jnp.zeros((1, num_seqs, num_heads, dim), outs.dtype)])
-        lses = jnp.concatenate([lses, jnp.broadcast_to(sinks.astype(jnp.float32), (1, num_seqs, num_heads))])
-    out, lse = merge_attention_partials(outs, lses)
+    out, lse = merge_attention_partials(*with_sink_partial(outs, lses, sinks))
     return out.astype(q.dtype), lse
 
 
-def decode_attention_step(
-    q: Float[Array, "tokens heads dim"],
-    k: Float[Array, "tokens kv_heads dim"],
-    v: Float[Array, "tokens kv_heads dim"],
-    kv_pages: Float[Array, "layers pages page_size kv2 dim"],
-    kv_lens: Int[Array, " seqs"],
-    page_indices: Int[Array, "seqs max_pages"],
-    cu_q_lens: Int[Array, " seqs_plus_1"],
-    distribution: Int[Array, " 3"] | None = None,
-    *,
-    layer: int | Int[Array, ""],
-    slot_mapping: Int[Array, " tokens"],
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    sinks: Float[Array, " heads"] | None = None,
-    return_lse: bool = False,
-    interpret=None,
-    **kernel_options,
-):
+def decode_attention_step(*args, interpret=None, **kwargs):
     """`ragged_paged_attention`'s contract for a batch whose rows all hold exactly one new token
-    (the caller guarantees it): write the K/V, then `paged_decode_attention`. Token b is row b's
-    token for b < rows; extra tokens (padding) get out 0 and LSE -inf."""
-    del distribution
-    for unused in ("token_seq_ids", "token_positions", "batch_invariant"):
-        kernel_options.pop(unused, None)
+    (the caller guarantees it): write the K/V, then `paged_decode_attention` (whose tuning keywords it
+    takes). Token b is row b's token for b < rows; extra tokens (padding) get out 0 and LSE -inf."""
+    return ragged_paged_attention(*args, attend=functools.partial(_attend_decode_rows, interpret=interpret), **kwargs)
+
+
+def _attend_decode_rows(q, kv_pages, kv_lens, page_indices, cu_q_lens, **options):
     num_tokens, num_seqs = q.shape[0], kv_lens.shape[0]
-    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping)
     rows = min(num_tokens, num_seqs)
-    out, lse = paged_decode_attention(
-        q[:rows], kv_pages, kv_lens[:rows], page_indices[:rows], layer=layer, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, interpret=interpret, **kernel_options,
-    )
+    out, lse = paged_decode_attention(q[:rows], kv_pages, kv_lens[:rows], page_indices[:rows], **options)
     real = (jnp.arange(rows) < cu_q_lens[-1])[:, None]
     out = jnp.zeros_like(q).at[:rows].set(jnp.where(real[..., None], out, 0))
-    lse = jnp.full(q.shape[:2], -jnp.inf, jnp.float32).at[:rows].set(jnp.where(real, lse, -jnp.inf))
-    return (out, kv_pages, lse) if return_lse else (out, kv_pages)
+    return out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32).at[:rows].set(jnp.where(real, lse, -jnp.inf))

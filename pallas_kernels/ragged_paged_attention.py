@@ -7,15 +7,21 @@ per-head attention sinks) and can return each query head's log-sum-exp. The refe
 over KV pages with an online softmax, so it never materialises a full query-by-key score matrix,
 and the per-token arithmetic does not depend on which other tokens share the batch. The kernel
 (`ragged_paged_attention_kernel`, pallas_kernels/ragged_paged_attention_kernels.py) targets Pallas'
-Triton backend on Hopper and Blackwell and runs in interpret mode on a CPU.
+Triton backend on Hopper and Blackwell and runs in interpret mode on a CPU; it and the Mosaic GPU decode
+kernel enter through `ragged_paged_attention(attend=...)`, so the contract is written once. The paged
+references of the other families (MLA, block-sparse, DeepSeek-V4) share this module's row writer,
+causal mask, blocked page tables and query-block loops.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kv_fp8 import load_rows, store_rows
+from pallas_kernels.online_softmax import fold_sink, online_softmax_init, online_softmax_result, online_softmax_step
 
 from agentjax.numerics import INVARIANT_ROW_BLOCK, map_row_blocks  # noqa: F401 (re-exported)
 
@@ -30,9 +36,99 @@ FAST_QUERY_BLOCK = 64
 SHARED_QUERY_BLOCK = 128
 SHARED_PAGES_PER_BLOCK = 8
 
-# Finite stand-in for -inf in the running max: a fully masked block then leaves the
-# accumulators exactly unchanged (exp(-inf - finite) == 0, exp(0) == 1) instead of making NaN.
-_NEG_LARGE = -1e30
+
+def causal_visible(key_position: Int[Array, " keys"], position: Int[Array, " queries"],
+                   sliding_window: int | None) -> Array:
+    """`[queries, keys]`: key j is visible to a query at `pos` when `j <= pos` and, with a window W, `j > pos - W`."""
+    visible = key_position[None, :] <= position[:, None]
+    if sliding_window is not None:
+        visible &= key_position[None, :] > position[:, None] - sliding_window
+    return visible
+
+
+def soft_capped(scores: Array, soft_cap: float | None) -> Array:
+    """`soft_cap * tanh(scores / soft_cap)`, or the scores as they are without a soft cap."""
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def blocked_table(table: Int[Array, "... max_pages"], pages_per_block: int, page_size: int):
+    """A page table (per token, or one shared 1-D table) padded with page 0 to whole blocks:
+    `(table, pages_per_block, num_blocks, block_tokens)` (a short table makes one smaller block)."""
+    max_pages = table.shape[-1]
+    pages_per_block = max(1, min(pages_per_block, max_pages))
+    pad = (-max_pages) % pages_per_block
+    if pad:
+        table = jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, pad)])
+    return table, pages_per_block, table.shape[-1] // pages_per_block, pages_per_block * page_size
+
+
+def skipping_hidden_blocks(attend_block, block_tokens: int, token_positions: Int[Array, " tokens"],
+                           sliding_window: int | None = None):
+    """A `fori_loop` body that runs `attend_block` only on key blocks some query here can see.
+
+    Blocks past the furthest query position, or wholly before the earliest query's window, are fully
+    masked for every query: skipping them is an exact no-op, so padded page tables, causal tails and
+    the released pages before a sliding window cost nothing.
+    """
+    last_position = token_positions.max()
+    first_visible = token_positions.min() - sliding_window + 1 if sliding_window is not None else 0
+
+    def body(block, carry):
+        needed = (block * block_tokens <= last_position) & ((block + 1) * block_tokens > first_visible)
+        return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
+
+    return body
+
+
+def over_query_blocks(fn, *arrays, batch_invariant: bool, block: int = FAST_QUERY_BLOCK, fence: bool = False):
+    """`fn` over row blocks of `arrays` (a row per query token): agentjax.numerics' fixed blocks in
+    batch-invariant numerics, else blocks of `block` rows. `fence` wraps the batch-invariant blocks in
+    optimization barriers, since a one-block loop would otherwise be inlined and fused with its
+    neighbours (other roundings)."""
+    if batch_invariant and fence:
+        return jax.lax.optimization_barrier(map_row_blocks(fn, *jax.lax.optimization_barrier(arrays)))
+    if batch_invariant:
+        return map_row_blocks(fn, *arrays)
+    return map_row_blocks(fn, *arrays, block=max(1, min(block, arrays[0].shape[0])))
+
+
+def attend_by_query_blocks(attend, q, page_indices, token_seq_ids, token_positions, *, batch_invariant: bool,
+                           block: int = FAST_QUERY_BLOCK, attend_shared=None):
+    """`attend(q_rows, table_rows, position_rows)` over blocks of query tokens, each token with its row's
+    page table. Batch-invariant numerics: fixed blocks, every token alone. Otherwise blocks of `block`
+    tokens, and a block whose tokens are all of one sequence runs `attend_shared` (default `attend`)
+    with that one 1-D table, so its pages are gathered once."""
+    token_tables = page_indices[token_seq_ids]
+    if batch_invariant:
+        return map_row_blocks(attend, q, token_tables, token_positions)
+    attend_shared = attend_shared or attend
+
+    def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
+        return jax.lax.cond(
+            jnp.all(seq_rows == seq_rows[0]),
+            lambda: attend_shared(q_rows, table_rows[0], position_rows),
+            lambda: attend(q_rows, table_rows, position_rows),
+        )
+
+    return over_query_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids,
+                             batch_invariant=False, block=block)
+
+
+def write_rows(
+    pages: Float[Array, "slots pages page_size *row"],
+    slot: int | Int[Array, ""],
+    rows: Float[Array, "tokens *row"],
+    slot_mapping: Int[Array, " tokens"],
+) -> Float[Array, "slots pages page_size *row"]:
+    """Scatter per-token rows into layer slot `slot` of a paged buffer at `page * page_size + offset`.
+
+    The whole multi-layer buffer goes in and out, so a donated buffer is updated in place. Padding
+    tokens carry entries of the null page 0, which nothing reads; an entry past the buffer is dropped.
+    """
+    num_slots, num_pages, page_size = pages.shape[:3]
+    flat = pages.reshape(num_slots, num_pages * page_size, *pages.shape[3:])
+    flat = flat.at[slot, slot_mapping].set(rows.astype(flat.dtype), mode="drop")
+    return flat.reshape(pages.shape)
 
 
 def write_kv(
@@ -43,17 +139,10 @@ def write_kv(
     slot_mapping: Int[Array, " tokens"],
     fp8_kv: bool = False,
 ) -> Float[Array, "layers pages page_size kv2 dim"]:
-    """Scatter one layer's new keys and values into their slots (`page * page_size + offset`).
-
-    The whole multi-layer buffer goes in and out, so a donated buffer is updated in place.
-    Padding tokens carry slots of the null page 0, which nothing reads. `fp8_kv`: the pages hold
-    packed FP8 rows (pallas_kernels/kv_fp8.py; the last axis is a row's words, not `dim`).
-    """
-    num_layers, num_pages, page_size, kv2, width = kv_pages.shape
-    flat = kv_pages.reshape(num_layers, num_pages * page_size, kv2, width)
-    new = store_rows(jnp.concatenate([k, v], axis=1), kv_pages.dtype, fp8_kv)
-    flat = flat.at[layer, slot_mapping].set(new, mode="drop")
-    return flat.reshape(num_layers, num_pages, page_size, kv2, width)
+    """Scatter one layer's new keys and values into their slots (`write_rows`). `fp8_kv`: the pages
+    hold packed FP8 rows (pallas_kernels/kv_fp8.py; the last axis is a row's words, not `dim`)."""
+    return write_rows(kv_pages, layer, store_rows(jnp.concatenate([k, v], axis=1), kv_pages.dtype, fp8_kv),
+                      slot_mapping)
 
 
 def attend_paged(
@@ -82,8 +171,7 @@ def attend_paged(
     are then gathered once, not once per token. `fp8_kv`: the pages hold FP8 rows, dequantised as
     they are gathered.
     """
-    shared = token_page_table.ndim == 1
-    if shared:
+    if token_page_table.ndim == 1:
         return _attend_shared_table(q, kv_pages, layer, token_page_table, token_positions, sm_scale=sm_scale,
                                     sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
                                     pages_per_block=pages_per_block, fp8_kv=fp8_kv)
@@ -91,65 +179,25 @@ def attend_paged(
     _, _, page_size, kv2, _ = kv_pages.shape
     num_kv_heads = kv2 // 2
     group = num_heads // num_kv_heads
-    max_pages = token_page_table.shape[-1]
-    pages_per_block = max(1, min(pages_per_block, max_pages))
-    pad = (-max_pages) % pages_per_block
-    if pad:
-        token_page_table = jnp.pad(token_page_table, [(0, 0)] * (token_page_table.ndim - 1) + [(0, pad)])
-    num_blocks = token_page_table.shape[-1] // pages_per_block
-    block_tokens = pages_per_block * page_size
-
+    token_page_table, pages_per_block, num_blocks, block_tokens = blocked_table(
+        token_page_table, pages_per_block, page_size)
     qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, dim)
     offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
-    # Blocks past the furthest query position, or wholly before the earliest query's window, are
-    # fully masked for every token here: skip them (an exact no-op either way), so padded page
-    # tables, causal tails and the released pages before a sliding window cost nothing.
-    last_position = token_positions.max()
-    first_visible = token_positions.min() - sliding_window + 1 if sliding_window is not None else 0
-
-    def body(block, carry):
-        needed = (block * block_tokens <= last_position) & ((block + 1) * block_tokens > first_visible)
-        return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
-
     def attend_block(block, carry):
-        m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(token_page_table, block * pages_per_block, pages_per_block, -1)
-        kv = load_rows(kv_pages, (layer, pages), dim, fp8_kv)
-        kv = kv.reshape(1 if shared else num_tokens, block_tokens, kv2, dim)
+        kv = load_rows(kv_pages, (layer, pages), dim, fp8_kv).reshape(num_tokens, block_tokens, kv2, dim)
         k, v = kv[:, :, :num_kv_heads], kv[:, :, num_kv_heads:]
-        key_pos = block * block_tokens + offsets
-        visible = key_pos[None, :] <= token_positions[:, None]
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > (token_positions[:, None] - sliding_window)
-        scores = jnp.einsum("thgd,ushd->thgs", qg, k) if shared else jnp.einsum("thgd,tshd->thgs", qg, k)
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        visible = causal_visible(block * block_tokens + offsets, token_positions, sliding_window)
+        scores = soft_capped(jnp.einsum("thgd,tshd->thgs", qg, k), soft_cap)
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[..., None])
-        denom = denom * alpha + p.sum(axis=-1)
-        update = jnp.einsum("thgs,ushd->thgd", p, v) if shared else jnp.einsum("thgs,tshd->thgd", p, v)
-        acc = acc * alpha[..., None] + update
-        return m_new, denom, acc
+        return online_softmax_step(carry, scores, lambda p: jnp.einsum("thgs,tshd->thgd", p, v))
 
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), _NEG_LARGE, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, dim), jnp.float32),
-    )
-    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    body = skipping_hidden_blocks(attend_block, block_tokens, token_positions, sliding_window)
+    carry = jax.lax.fori_loop(0, num_blocks, body, online_softmax_init((num_tokens, num_kv_heads, group), dim))
     if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group)
-        m_final = jnp.maximum(m, sink)
-        alpha = jnp.exp(m - m_final)
-        denom = denom * alpha + jnp.exp(sink - m_final)
-        acc = acc * alpha[..., None]
-        m = m_final
-    # Padding tokens see no key at all; keep them finite.
-    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]
-    lse = jnp.where(denom == 0, -jnp.inf, m + jnp.log(jnp.where(denom == 0, 1.0, denom)))
+        carry = fold_sink(carry, sinks.astype(jnp.float32).reshape(1, num_kv_heads, group))
+    out, lse = online_softmax_result(carry)  # padding tokens see no key at all: out 0, LSE -inf
     return out.reshape(num_tokens, num_heads, dim).astype(q.dtype), lse.reshape(num_tokens, num_heads)
 
 
@@ -178,61 +226,28 @@ def _attend_shared_table(
     _, _, page_size, kv2, _ = kv_pages.shape
     num_kv_heads = kv2 // 2
     group = num_heads // num_kv_heads
-    max_pages = page_table.shape[0]
-    pages_per_block = max(1, min(pages_per_block, max_pages))
-    pad = (-max_pages) % pages_per_block
-    if pad:
-        page_table = jnp.pad(page_table, (0, pad))
-    num_blocks = page_table.shape[0] // pages_per_block
-    block_tokens = pages_per_block * page_size
+    page_table, pages_per_block, num_blocks, block_tokens = blocked_table(page_table, pages_per_block, page_size)
     rows = num_tokens * group  # row r is token r // group, query head (of its KV head) r % group
 
     q_heads = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, dim)
     q_heads = q_heads.transpose(1, 0, 2, 3).reshape(num_kv_heads, rows, dim)
     row_positions = jnp.repeat(token_positions, group)
     offsets = jnp.arange(block_tokens, dtype=jnp.int32)
-    last_position = token_positions.max()
-    first_visible = token_positions.min() - sliding_window + 1 if sliding_window is not None else 0
-
-    def body(block, carry):
-        needed = (block * block_tokens <= last_position) & ((block + 1) * block_tokens > first_visible)
-        return jax.lax.cond(needed, attend_block, lambda _, c: c, block, carry)
 
     def attend_block(block, carry):
-        m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(page_table, block * pages_per_block, pages_per_block)
         kv = load_rows(kv_pages, (layer, pages), dim, fp8_kv).reshape(block_tokens, kv2, dim).transpose(1, 0, 2)
         k, v = kv[:num_kv_heads], kv[num_kv_heads:]
-        key_pos = block * block_tokens + offsets
-        visible = key_pos[None, :] <= row_positions[:, None]
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > (row_positions[:, None] - sliding_window)
-        scores = jnp.einsum("hrd,hsd->hrs", q_heads, k)
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        visible = causal_visible(block * block_tokens + offsets, row_positions, sliding_window)
+        scores = soft_capped(jnp.einsum("hrd,hsd->hrs", q_heads, k), soft_cap)
         scores = jnp.where(visible[None], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[..., None])
-        denom = denom * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("hrs,hsd->hrd", p, v)
-        return m_new, denom, acc
+        return online_softmax_step(carry, scores, lambda p: jnp.einsum("hrs,hsd->hrd", p, v))
 
-    init = (
-        jnp.full((num_kv_heads, rows), _NEG_LARGE, jnp.float32),
-        jnp.zeros((num_kv_heads, rows), jnp.float32),
-        jnp.zeros((num_kv_heads, rows, dim), jnp.float32),
-    )
-    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    body = skipping_hidden_blocks(attend_block, block_tokens, token_positions, sliding_window)
+    carry = jax.lax.fori_loop(0, num_blocks, body, online_softmax_init((num_kv_heads, rows), dim))
     if sinks is not None:
-        sink = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, num_tokens))
-        m_final = jnp.maximum(m, sink)
-        alpha = jnp.exp(m - m_final)
-        denom = denom * alpha + jnp.exp(sink - m_final)
-        acc = acc * alpha[..., None]
-        m = m_final
-    out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]
-    lse = jnp.where(denom == 0, -jnp.inf, m + jnp.log(jnp.where(denom == 0, 1.0, denom)))
+        carry = fold_sink(carry, jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, num_tokens)))
+    out, lse = online_softmax_result(carry)
     out = out.reshape(num_kv_heads, num_tokens, group, dim).transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, dim)
     lse = lse.reshape(num_kv_heads, num_tokens, group).transpose(1, 0, 2).reshape(num_tokens, num_heads)
     return out.astype(q.dtype), lse
@@ -248,17 +263,19 @@ def ragged_paged_attention(
     cu_q_lens: Int[Array, " seqs_plus_1"],
     distribution: Int[Array, " 3"] | None = None,
     *,
-    layer: int,
-    token_seq_ids: Int[Array, " tokens"],
-    token_positions: Int[Array, " tokens"],
+    layer: int | Int[Array, ""],
     slot_mapping: Int[Array, " tokens"],
     sm_scale: float,
+    token_seq_ids: Int[Array, " tokens"] | None = None,
+    token_positions: Int[Array, " tokens"] | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     batch_invariant: bool = False,
     return_lse: bool = False,
     fp8_kv: bool = False,
+    attend=None,
+    **attend_options,
 ) -> tuple[Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"]] | tuple[
     Float[Array, "tokens heads dim"], Float[Array, "layers pages page_size kv2 dim"], Float[Array, "tokens heads"]
 ]:
@@ -268,35 +285,32 @@ def ragged_paged_attention(
     The leading arguments follow the ragged paged attention convention of the JAX serving
     engines. `kv_lens[b]` counts sequence b's KV after this step; its query tokens are
     `q[cu_q_lens[b]:cu_q_lens[b+1]]`. `distribution` (decode, prefill, mixed sequence ends) is
-    accepted for kernel compatibility and unused by the reference. The per-token metadata
-    (`token_seq_ids`, `token_positions`, `slot_mapping`) is derived from those arrays on the host,
-    where it is cheap, and passed in so the device never recomputes it. `fp8_kv`: the pages hold FP8
-    rows (pallas_kernels/kv_fp8.py): this step's K/V are quantised as written, pages dequantised as read.
-    """
-    del kv_lens, cu_q_lens, distribution  # encoded in the per-token metadata
-    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping, fp8_kv)
+    accepted for kernel compatibility and unused. The per-token metadata (`token_seq_ids`,
+    `token_positions`, `slot_mapping`) is derived from those arrays on the host, where it is cheap,
+    and passed in so the device never recomputes it. `fp8_kv`: the pages hold FP8 rows
+    (pallas_kernels/kv_fp8.py): this step's K/V are quantised as written, pages dequantised as read.
 
-    def attend(q_rows, table_rows, position_rows):
+    `attend`: a kernel that attends over the written pages instead of the reference,
+    `attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, layer=, sm_scale=, sliding_window=,
+    soft_cap=, sinks=, **attend_options) -> (out, lse)` from the row metadata alone (it ignores the
+    per-token metadata and `batch_invariant`: a kernel's reduction order per token is fixed).
+    """
+    del distribution
+    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping, fp8_kv)
+    if attend is not None:
+        out, lse = attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, layer=layer, sm_scale=sm_scale,
+                          sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, **attend_options)
+        return (out, kv_pages, lse) if return_lse else (out, kv_pages)
+    if attend_options:
+        raise TypeError(f"ragged_paged_attention: unexpected keyword arguments {sorted(attend_options)}")
+
+    def attend_rows(q_rows, table_rows, position_rows, pages_per_block=4):
         return attend_paged(
             q_rows, kv_pages, layer, table_rows, position_rows, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, sinks=sinks, fp8_kv=fp8_kv,
+            soft_cap=soft_cap, sinks=sinks, pages_per_block=pages_per_block, fp8_kv=fp8_kv,
         )
 
-    token_tables = page_indices[token_seq_ids]
-    if batch_invariant:
-        out, lse = map_row_blocks(attend, q, token_tables, token_positions)
-        return (out, kv_pages, lse) if return_lse else (out, kv_pages)
-
-    def attend_query_block(q_rows, table_rows, position_rows, seq_rows):
-        # A block of one sequence's tokens (a prefill chunk) gathers its pages once, head-major.
-        return jax.lax.cond(
-            jnp.all(seq_rows == seq_rows[0]),
-            lambda: attend_paged(q_rows, kv_pages, layer, table_rows[0], position_rows, sm_scale=sm_scale,
-                                 sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                                 pages_per_block=SHARED_PAGES_PER_BLOCK, fp8_kv=fp8_kv),
-            lambda: attend(q_rows, table_rows, position_rows),
-        )
-
-    block = min(SHARED_QUERY_BLOCK, q.shape[0])
-    out, lse = map_row_blocks(attend_query_block, q, token_tables, token_positions, token_seq_ids, block=block)
+    out, lse = attend_by_query_blocks(
+        attend_rows, q, page_indices, token_seq_ids, token_positions, batch_invariant=batch_invariant,
+        block=SHARED_QUERY_BLOCK, attend_shared=functools.partial(attend_rows, pages_per_block=SHARED_PAGES_PER_BLOCK))
     return (out, kv_pages, lse) if return_lse else (out, kv_pages)

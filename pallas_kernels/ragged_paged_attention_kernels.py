@@ -18,12 +18,13 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from agentjax.errors import KernelShapeError
-from pallas_kernels.ragged_paged_attention import write_kv
-from pallas_kernels.ragged_work import merge_attention_partials, next_power_of_two, work_items
-
-# Finite stand-in for -inf in the running max: a fully masked block then leaves the
-# accumulators exactly unchanged (exp(-inf - finite) == 0, exp(0) == 1) instead of making NaN.
-_NEG_LARGE = -1e30
+from pallas_kernels.online_softmax import fold_sink, online_softmax_init, online_softmax_result, online_softmax_step
+from pallas_kernels.ragged_paged_attention import causal_visible, ragged_paged_attention, soft_capped
+from pallas_kernels.ragged_work import merge_split_partials, next_power_of_two, work_items
+from pallas_kernels.triton_call import (
+    check_tiles, default_query_rows, item_rows, page_rows, query_positions, ragged_operands, spare_rows, store_index,
+    triton_call,
+)
 
 
 def _ragged_paged_attention_kernel(
@@ -34,24 +35,15 @@ def _ragged_paged_attention_kernel(
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, start, count = item_seq_ref[item], item_start_ref[item], item_count_ref[item]
     layer = layer_ref[0]
-    max_pages = table_ref.shape[1]
     padded_dim = next_power_of_two(dim)
 
-    row = jnp.arange(query_rows, dtype=jnp.int32)
-    row_used = row // group < count
-    token = jnp.where(row_used, start + row // group, 0)
-    # In interpret mode unused rows store into a spare last token row (sliced off), never onto a used
-    # row's address: interpret mode writes masked lanes back with their old value.
-    store_token = jnp.where(row_used, token, out_ref.shape[1] - 1) if interpret else token
-    head = kv_head * group + row % group
+    token, head, row_used = item_rows(query_rows, group, start, count, first_head=kv_head * group)
+    store_token = store_index(token, row_used, out_ref.shape[1] - 1, interpret)
     lane = jnp.arange(padded_dim, dtype=jnp.int32)
     lane_used = lane < dim
     row_mask = row_used[:, None] & lane_used[None, :]
 
-    seq_start, seq_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
-    context = kv_lens_ref[seq] - (seq_end - seq_start)
-    position = context + (token - seq_start)
-    first_position = context + (start - seq_start)
+    position, first_position = query_positions(kv_lens_ref, cu_q_lens_ref, seq, start, token)
     kv_end = first_position + count
     kv_begin = jnp.maximum(first_position - sliding_window + 1, 0) if sliding_window is not None else 0
     block_lo = kv_begin // kv_block
@@ -66,78 +58,34 @@ def _ragged_paged_attention_kernel(
     kv_heads_column = jnp.full((kv_block, 1), kv_head, jnp.int32)
 
     def attend_block(block, carry):
-        m, denom, acc = carry
         key_position = block * kv_block + key_offsets
         key_used = key_position < kv_end
-        page_slot = jnp.minimum(key_position // page_size, max_pages - 1)
-        page = plt.load(table_ref.at[jnp.full_like(page_slot, seq), page_slot], mask=key_used, other=0)
-        kv_row = (layer * num_pages + page) * page_size + key_position % page_size
+        kv_row = page_rows(table_ref, seq, key_position, key_used, layer, num_pages, page_size)
         key_mask = key_used[:, None] & lane_used[None, :]
         k = plt.load(kv_ref.at[kv_row[:, None], kv_heads_column, lane[None, :]], mask=key_mask, other=0)
         v = plt.load(kv_ref.at[kv_row[:, None], kv_heads_column + num_kv_heads, lane[None, :]], mask=key_mask, other=0)
-        scores = plt.dot(q, k.astype(q.dtype), trans_b=True, **precise) * sm_scale
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        visible = (key_position[None, :] <= position[:, None]) & key_used[None, :]
-        if sliding_window is not None:
-            visible &= key_position[None, :] > position[:, None] - sliding_window
+        scores = soft_capped(plt.dot(q, k.astype(q.dtype), trans_b=True, **precise) * sm_scale, soft_cap)
+        visible = causal_visible(key_position, position, sliding_window) & key_used[None, :]
         scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(scores - m_new[:, None])
-        denom = denom * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v, **precise)
-        return m_new, denom, acc
+        return online_softmax_step(carry, scores, lambda p: plt.dot(p.astype(v.dtype), v, **precise))
 
-    init = (
-        jnp.full((query_rows,), _NEG_LARGE, jnp.float32),
-        jnp.zeros((query_rows,), jnp.float32),
-        jnp.zeros((query_rows, padded_dim), jnp.float32),
-    )
-    m, denom, acc = jax.lax.fori_loop(split_lo, split_hi, attend_block, init)
+    carry = jax.lax.fori_loop(split_lo, split_hi, attend_block, online_softmax_init((query_rows,), padded_dim))
     if apply_sinks:
-        sink = plt.load(sinks_ref.at[head])
-        m_final = jnp.maximum(m, sink)
-        alpha = jnp.exp(m - m_final)
-        denom = denom * alpha + jnp.exp(sink - m_final)
-        acc = acc * alpha[:, None]
-        m = m_final
-    safe_denom = jnp.where(denom == 0, 1.0, denom)
-    out = acc / safe_denom[:, None]
-    lse = jnp.where(denom == 0, -jnp.inf, m + jnp.log(safe_denom))
+        carry = fold_sink(carry, plt.load(sinks_ref.at[head]))
+    out, lse = online_softmax_result(carry)
     split_rows = jnp.full((query_rows,), split, jnp.int32)
     plt.store(out_ref.at[split_rows[:, None], store_token[:, None], head[:, None], lane[None, :]],
               out.astype(out_ref.dtype), mask=row_mask)
     plt.store(lse_ref.at[split_rows, store_token, head], lse, mask=row_used)
 
 
-def ragged_paged_attention_kernel(
-    q: Float[Array, "tokens heads dim"],
-    k: Float[Array, "tokens kv_heads dim"],
-    v: Float[Array, "tokens kv_heads dim"],
-    kv_pages: Float[Array, "layers pages page_size kv2 dim"],
-    kv_lens: Int[Array, " seqs"],
-    page_indices: Int[Array, "seqs max_pages"],
-    cu_q_lens: Int[Array, " seqs_plus_1"],
-    distribution: Int[Array, " 3"] | None = None,
-    *,
-    layer: int | Int[Array, ""],
-    slot_mapping: Int[Array, " tokens"],
-    return_lse: bool = False,
-    token_seq_ids: Int[Array, " tokens"] | None = None,
-    token_positions: Int[Array, " tokens"] | None = None,
-    batch_invariant: bool = False,
-    **options,
-):
-    """The reference's contract (write K/V, attend; the same arguments and results) with the
-    attention as one kernel (`paged_attention_kernel`, whose keyword `options` it takes). Per-token
-    metadata is recomputed from `kv_lens`/`cu_q_lens`, so `token_seq_ids`/`token_positions` are
-    ignored. Batch invariance: each token's reduction order depends only on its own row and the
-    fixed block sizes (keep `num_kv_splits` fixed)."""
-    del distribution, token_seq_ids, token_positions, batch_invariant
-    kv_pages = write_kv(kv_pages, layer, k, v, slot_mapping)
-    out, lse = paged_attention_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, layer=layer, **options)
-    return (out, kv_pages, lse) if return_lse else (out, kv_pages)
+def ragged_paged_attention_kernel(*args, interpret: bool = False, **kwargs):
+    """`ragged_paged_attention`'s contract (write K/V, attend; the same arguments and results) with the
+    attention as one kernel (`paged_attention_kernel`, whose tuning keywords it takes). The per-token
+    metadata is recomputed from `kv_lens`/`cu_q_lens`. Batch invariance: each token's reduction order
+    depends only on its own row and the fixed block sizes (keep `num_kv_splits` fixed)."""
+    return ragged_paged_attention(*args, attend=functools.partial(paged_attention_kernel, interpret=interpret),
+                                  **kwargs)
 
 
 def paged_attention_kernel(
@@ -176,16 +124,12 @@ def paged_attention_kernel(
             f"paged_attention_kernel: q {q.shape} does not fit kv_pages {kv_pages.shape} "
             f"(head dims must match and {num_heads} query heads must be a multiple of {num_kv_heads} KV heads)")
     group = num_heads // num_kv_heads
-    if query_rows is None:
-        query_rows = 16 if num_tokens <= kv_lens.shape[0] else 64
-    query_rows = max(query_rows, next_power_of_two(group))
-    for name, value in (("query_rows", query_rows), ("kv_block", kv_block), ("page_size", page_size)):
-        if value != next_power_of_two(value) or (name != "page_size" and value < 16):
-            raise KernelShapeError(f"paged_attention_kernel: {name}={value} must be a power of two (>= 16 for blocks)")
+    query_rows = max(default_query_rows(query_rows, num_tokens, kv_lens), next_power_of_two(group))
+    check_tiles("paged_attention_kernel", dict(query_rows=query_rows, kv_block=kv_block), dict(page_size=page_size))
     if num_kv_splits < 1:
         raise KernelShapeError(f"paged_attention_kernel: num_kv_splits={num_kv_splits} must be >= 1")
 
-    item_seq, item_start, item_count = work_items(cu_q_lens, num_tokens, query_rows // group)
+    items = work_items(cu_q_lens, num_tokens, query_rows // group)
     apply_sinks = sinks is not None and num_kv_splits == 1
     sink_values = jnp.zeros((num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     out_dtype = q.dtype if num_kv_splits == 1 else jnp.float32
@@ -195,31 +139,16 @@ def paged_attention_kernel(
         sliding_window=sliding_window, soft_cap=soft_cap, num_splits=num_kv_splits, apply_sinks=apply_sinks,
         interpret=bool(interpret),
     )
-    spare = 1 if interpret else 0
-    outs, lses = pl.pallas_call(
+    spare = spare_rows(interpret)
+    outs, lses = triton_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((num_kv_splits, num_tokens + spare, num_heads, dim), out_dtype),
             jax.ShapeDtypeStruct((num_kv_splits, num_tokens + spare, num_heads), jnp.float32),
         ),
-        grid=(item_seq.shape[0], num_kv_heads, num_kv_splits),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention",
-    )(
-        jnp.asarray(layer, jnp.int32).reshape(1), item_seq, item_start, item_count, kv_lens.astype(jnp.int32),
-        cu_q_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
-        kv_pages.reshape(num_layers * num_pages * page_size, kv2, dim), sink_values,
-    )
-    if spare:
-        outs, lses = outs[:, :num_tokens], lses[:, :num_tokens]
-    if num_kv_splits == 1:
-        out, lse = outs[0], lses[0]
-    else:
-        if sinks is not None:
-            sink_lse = jnp.broadcast_to(sink_values, (1, num_tokens, num_heads))
-            outs = jnp.concatenate([outs, jnp.zeros((1, num_tokens, num_heads, dim), outs.dtype)])
-            lses = jnp.concatenate([lses, sink_lse])
-        out, lse = merge_attention_partials(outs, lses)
-    real = jnp.arange(num_tokens) < cu_q_lens[-1]
-    return jnp.where(real[:, None, None], out, 0).astype(q.dtype), jnp.where(real[:, None], lse, -jnp.inf)
+        grid=(items[0].shape[0], num_kv_heads, num_kv_splits),
+        name="ragged_paged_attention", num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )(*ragged_operands(layer, items, kv_lens, cu_q_lens, page_indices), q,
+      kv_pages.reshape(num_layers * num_pages * page_size, kv2, dim), sink_values)
+    return merge_split_partials(outs, lses, num_tokens, cu_q_lens, q.dtype,
+                                sinks=None if apply_sinks else sinks)

@@ -51,3 +51,27 @@ def merge_attention_partials(
     out = (weights[..., None] * outs.astype(jnp.float32)).sum(axis=0) / safe_total[..., None]
     lse = jnp.where(total == 0, -jnp.inf, top + jnp.log(safe_total))
     return out, lse
+
+
+def with_sink_partial(outs: Float[Array, "parts tokens heads dim"], lses: Float[Array, "parts tokens heads"],
+                      sinks: Float[Array, " heads"] | None):
+    """The partials with each head's sink as one more part (LSE the sink logit, out 0), so a merge
+    counts the sink in the denominator; unchanged without sinks."""
+    if sinks is None:
+        return outs, lses
+    _, tokens, heads = lses.shape
+    outs = jnp.concatenate([outs, jnp.zeros((1, *outs.shape[1:]), outs.dtype)])
+    return outs, jnp.concatenate([lses, jnp.broadcast_to(sinks.astype(jnp.float32), (1, tokens, heads))])
+
+
+def merge_split_partials(outs, lses, num_tokens: int, cu_q_lens: Int[Array, " seqs_plus_1"], dtype, sinks=None):
+    """A split-KV kernel's `[splits, tokens (+ a spare row), heads, ...]` partials as `(out, lse)`: one
+    split as it is (without `sinks` to add), more merged by LSE; padding tokens (past `cu_q_lens[-1]`)
+    get out 0 and LSE -inf. `out` in `dtype`."""
+    outs, lses = outs[:, :num_tokens], lses[:, :num_tokens]
+    if outs.shape[0] == 1 and sinks is None:
+        out, lse = outs[0], lses[0]
+    else:
+        out, lse = merge_attention_partials(*with_sink_partial(outs, lses, sinks))
+    real = jnp.arange(num_tokens) < cu_q_lens[-1]
+    return jnp.where(real[:, None, None], out, 0).astype(dtype), jnp.where(real[:, None], lse, -jnp.inf)
