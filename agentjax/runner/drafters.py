@@ -114,6 +114,26 @@ def chain_batch(batch: RaggedBatch, positions: jax.Array, token_ids: jax.Array, 
                        sample_offsets=jnp.zeros_like(rows))
 
 
+def chain_drafts(chained, start: int, stop: int, carry, first: jax.Array | None = None):
+    """`(drafts [B, k], carry)`: `chained(step, carry) -> (carry, draft)` for steps `start..stop-1` in one
+    device loop (`first`, when given, is draft 1). The loop body is compiled once whatever k is: chaining
+    the drafter in Python unrolled it k times into the step, and step shapes of k = 5 took 15-25 s each
+    to compile on a CPU."""
+    num_rows = (first if first is not None else carry[0]).shape[0]
+    offset = 0 if first is None else 1
+    drafts = jnp.zeros((num_rows, offset + stop - start), jnp.int32)
+    if first is not None:
+        drafts = drafts.at[:, 0].set(first)
+
+    def body(step, state):
+        carry, drafts = state
+        carry, draft = chained(step, carry)
+        return carry, drafts.at[:, step - start + offset].set(draft)
+
+    carry, drafts = jax.lax.fori_loop(start, stop, body, (carry, drafts))
+    return drafts, carry
+
+
 def _keys(meta: SamplingMetadata, counts: jax.Array, tag: int) -> jax.Array:
     return jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), count), tag)
                     )(meta.seeds, counts)
@@ -177,14 +197,20 @@ class MTPDrafter:
         draft = jnp.argmax(model.logits(normed[index], numerics), axis=-1).astype(jnp.int32)
         hidden, position = hidden[index], batch.positions[index]
         active = spec.row_first_sample < batch.num_samples
-        drafts = [draft]
-        for step in range(1, self.num_speculative_tokens):
+        runs = [functools.partial(module.run, numerics=numerics) for module in modules]
+
+        def chained(step, carry):
+            hidden, draft, kv_pages = carry
             chain = chain_batch(batch, position + step, draft, active, self.page_size)
-            hidden, normed, kv_pages = modules[step % len(modules)].run(
-                model.embed_tokens(draft), hidden, kv_pages, chain, numerics)
+            args = (model.embed_tokens(draft), hidden, kv_pages, chain)
+            hidden, normed, kv_pages = (runs[0](*args) if len(runs) == 1
+                                        else jax.lax.switch(step % len(runs), runs, *args))
             draft = jnp.argmax(model.logits(normed, numerics), axis=-1).astype(jnp.int32)
-            drafts.append(draft)
-        return tokens, jnp.stack(drafts, axis=1), kv_pages
+            return (hidden, draft, kv_pages), draft
+
+        drafts, (_, _, kv_pages) = chain_drafts(chained, 1, self.num_speculative_tokens, (hidden, draft, kv_pages),
+                                                first=draft)
+        return tokens, drafts, kv_pages
 
 
 @dataclass(frozen=True)
@@ -236,15 +262,20 @@ class DraftModelDrafter:
         position, token = batch.positions[batch.logits_indices[last]], tokens[last]
         active = spec.row_first_sample < batch.num_samples
         row_meta = jax.tree.map(lambda x: x[last], sampling)
-        draft_kv, drafts = model_part(kv_pages, kinds, tables, True), []
-        for step in range(1, self.num_speculative_tokens + 1):
-            chained = chain_batch(draft_batch, position + step, token, active, self._draft_page_sizes())
-            hidden, draft_kv = draft(draft_kv, chained, numerics)
+        page_sizes = self._draft_page_sizes()
+
+        def chained(step, carry):
+            token, draft_kv = carry
+            hidden, draft_kv = draft(draft_kv, chain_batch(draft_batch, position + step, token, active, page_sizes),
+                                     numerics)
             logits = draft.logits(hidden, numerics)
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             if not greedy_only:  # drawn from q, keyed by the output index the draft would take
                 keys = _keys(row_meta, row_meta.num_generated + step, DRAFT_TAG)
                 drawn = jax.vmap(jax.random.categorical)(keys, _processed(logits, row_meta)).astype(jnp.int32)
                 token = jnp.where(row_meta.temperature > 0, drawn, token)
-            drafts.append(token)
-        return tokens, jnp.stack(drafts, axis=1), join_part(kv_pages, draft_kv, kinds, True)
+            return (token, draft_kv), token
+
+        drafts, (_, draft_kv) = chain_drafts(chained, 1, self.num_speculative_tokens + 1,
+                                             (token, model_part(kv_pages, kinds, tables, True)))
+        return tokens, drafts, join_part(kv_pages, draft_kv, kinds, True)
