@@ -117,7 +117,7 @@ def chain_batch(batch: RaggedBatch, positions: jax.Array, token_ids: jax.Array, 
 def chain_drafts(chained, start: int, stop: int, carry, first: jax.Array | None = None):
     """`(drafts [B, k], carry)`: `chained(step, carry) -> (carry, draft)` for steps `start..stop-1` in one
     device loop (`first`, when given, is draft 1). The loop body is compiled once whatever k is: chaining
-    the drafter in Python unrolled it k times into the step, and step shapes of k = 5 took 15-25 s each
+    the drafter in Python unrolled it k times into the step, and step shapes of k = 5 took 15-30 s each
     to compile on a CPU."""
     num_rows = (first if first is not None else carry[0]).shape[0]
     offset = 0 if first is None else 1
