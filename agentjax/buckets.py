@@ -29,6 +29,13 @@ def bucket(value: int, buckets: Sequence[int]) -> int:
     return size
 
 
+def lockstep_buckets(token_counts: Sequence[int], row_counts: Sequence[int]) -> tuple[int, int]:
+    """The (tokens, rows) buckets of one step whose ranks run in lockstep (one rank: its own batch's):
+    every rank is padded to the largest rank's counts, bucketed. The runners pad to them and the
+    planner charges them (agentjax/bench/costmodel.py)."""
+    return bucket(max(1, *token_counts), TOKEN_BUCKETS), bucket(max(1, *row_counts), SEQ_BUCKETS)
+
+
 def bucket_below(value: int, buckets: Sequence[int]) -> int:
     """The largest bucket smaller than `value` (0 when none is)."""
     below = 0

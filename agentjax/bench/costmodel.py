@@ -22,7 +22,8 @@ from agentjax.bench.gpus import DeviceSpec, Efficiency
 from agentjax.bench.model_shapes import KeyStream, ModelShape
 from agentjax.bench.pipeline import pipeline_step_cost
 from agentjax.errors import InvalidRequestError
-from agentjax.buckets import SEQ_BUCKETS, TOKEN_BUCKETS, bucket
+from agentjax.buckets import lockstep_buckets
+
 
 def _roof(flops_s: float, bytes_s: float, overlap: bool) -> float:
     return max(flops_s, bytes_s) if overlap else flops_s + bytes_s
@@ -156,14 +157,22 @@ class CostModel:
         return flops, bytes_, loops
 
     # ---------------------------------------------------------------- one rank
-    def _rank_quantities(self, rows: Rows) -> dict[str, float]:
+    def padded_shape(self, ranks: Sequence[Rows]) -> tuple[int, int] | None:
+        """(tokens, rows) every rank of a lockstep step runs, padded as the runners pad them (the
+        engine's buckets, `agentjax.buckets.lockstep_buckets`); None with exact shapes or no rows."""
+        if not self.pad_batches or not any(ranks):
+            return None
+        return lockstep_buckets([sum(n for n, _ in rows) for rows in ranks], [len(rows) for rows in ranks])
+
+    def _rank_quantities(self, rows: Rows, padded: tuple[int, int] | None = None) -> dict[str, float]:
         """One engine's batch: FLOPs of the whole TP group (split by the caller), KV and state
-        bytes per GPU (KV split across TP up to the stream's shards, and across DCP)."""
+        bytes per GPU (KV split across TP up to the stream's shards, and across DCP). `padded`: the
+        step's (tokens, rows) shape (default: this batch alone, padded as `padded_shape` pads it)."""
         shape = self.shape
         array = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
         real_tokens = int(array[:, 0].sum()) if len(array) else 0
-        tokens = bucket(real_tokens, TOKEN_BUCKETS) if self.pad_batches and real_tokens else real_tokens
-        seqs = bucket(len(array), SEQ_BUCKETS) if self.pad_batches and len(array) else len(array)
+        padded = padded if padded is not None else self.padded_shape([rows])
+        tokens, seqs = padded if self.pad_batches and padded is not None else (real_tokens, len(array))
         q = {"tokens": float(tokens), "real_tokens": float(real_tokens), "rows": float(len(array)),
              "dense_flops": 2.0 * shape.dense_params * tokens, "lm_flops": 2.0 * shape.lm_head_params * seqs,
              "attn_flops": 0.0, "kv_bytes": 0.0, "state_bytes": 0.0, "loops": 0.0}
@@ -204,7 +213,8 @@ class CostModel:
 
     def _lockstep_cost(self, ranks: Sequence[Rows], new_shape: bool) -> StepCost:
         lay, shape, dev, eff = self.layout, self.shape, self.device, self.efficiency
-        per_rank = [self._rank_quantities(rows) for rows in ranks]
+        padded = self.padded_shape(ranks)  # an idle rank runs a dummy row padded to the others' shape
+        per_rank = [self._rank_quantities(rows, padded) for rows in ranks]
         if all(q["real_tokens"] == 0 for q in per_rank):
             return StepCost(0.0, label=PROJECTION)
         split_tokens = [q["tokens"] / lay.pcp for q in per_rank]

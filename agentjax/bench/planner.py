@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 GROWTH = 1.03  # a level must beat the best requests/s so far by 3% for the profile to go on
 LEVEL_KEYS = ("tpgs", "p90_interactivity", "hit_rate", "requests", "errors", "ttft_p90_s", "itl_p50_s",
-              "e2e_p50_s", "input_tokens", "cached_tokens", "output_tokens", "wall_time_s")
+              "e2e_p50_s", "input_tokens", "cached_tokens", "output_tokens", "wall_time_s", "padding_fraction")
 
 
 def candidate_layouts(shape: ModelShape, gpus: int, role: str) -> list[Layout]:

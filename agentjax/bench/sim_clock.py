@@ -78,6 +78,7 @@ class StepTimer:
         self.steps = 0
         self.busy_s = 0.0
         self.tokens = 0
+        self.token_slots = 0  # the tokens of the steps' padded shapes, over every rank (the engine's buckets)
         self.deferred = 0.0
 
     def record(self, rank: int, rows: list[tuple[int, int]], shape_key: tuple, decode: list[bool] | None = None,
@@ -102,7 +103,10 @@ class StepTimer:
         seconds = self.model.step_time(self.pending, new_shape=self.new_shape, sampled=sampled)
         if self.log is not None:
             self.log.append((seconds, self.pending))
-        self.tokens += sum(n for rows in self.pending for n, _ in rows)
+        real = sum(n for rows in self.pending for n, _ in rows)
+        padded = self.model.padded_shape(self.pending)
+        self.tokens += real
+        self.token_slots += padded[0] * self.ranks if padded is not None else real
         self.pending = [[] for _ in range(self.ranks)]
         self.sampled = [[] for _ in range(self.ranks)]
         self.new_shape = False

@@ -272,7 +272,8 @@ def simulate_agentx(config: AgentxConfig, target: SimTarget, sessions: Sequence[
         label=PROJECTION, simulated_s=clock.now, steps=sum(t.steps for t in timers),
         busy_s=max(t.busy_s for t in timers), compiled_shapes=len(set().union(*(t.seen_shapes for t in timers))),
         device=target.device.name, layout=target.layout.name, instances=target.instances, model=target.shape.name,
-        role=target.role, router=target.router, efficiency=target.device.efficiency.to_dict())
+        role=target.role, router=target.router, efficiency=target.device.efficiency.to_dict(),
+        padding_fraction=padding_fraction(timers))
     summary.update(_option_figures(target, instances, placement))
     price = gpu_price_per_hour if gpu_price_per_hour is not None else target.device.price_per_hour
     if price is not None and summary["input_tokens"] + summary["output_tokens"] > 0:
@@ -281,6 +282,13 @@ def simulate_agentx(config: AgentxConfig, target: SimTarget, sessions: Sequence[
                        api_cost_per_million_tokens=comparison.api_cost_per_million_tokens,
                        cost_advantage=comparison.advantage)
     return summary
+
+
+def padding_fraction(timers: Sequence[StepTimer]) -> float:
+    """The share of the steps' token slots that were bucket padding (0 with exact shapes): the
+    runner's padded shapes over every rank, against the real tokens the steps carried."""
+    slots = sum(t.token_slots for t in timers)
+    return 1.0 - sum(t.tokens for t in timers) / slots if slots else 0.0
 
 
 def _option_figures(target: SimTarget, instances: list, placement: PolicyPlacement | None) -> dict:

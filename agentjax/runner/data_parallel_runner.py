@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agentjax.buckets import SEQ_BUCKETS, TOKEN_BUCKETS, bucket
+from agentjax.buckets import lockstep_buckets
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.extras import PromptLogprobInputs, StepExtras, penalty_inputs, prompt_logprob_inputs
 from agentjax.runner.sharded_runner import ShardedModelRunner, _common_page_tables, _sampling_metadata, _stacked
@@ -36,8 +36,8 @@ class DataParallelRunner(ShardedModelRunner):
         idle_row = ([0], 0, [[0] for _ in range(groups)])
         rows = [list(r) if r else [idle_row] for r in rank_rows]
         sampling = [list(s) if r else [IDLE_SAMPLING] for r, s in zip(rank_rows, rank_sampling)]
-        tokens_bucket = bucket(max(sum(len(row[0]) for row in r) for r in rows), TOKEN_BUCKETS)
-        seqs_bucket = bucket(max(len(r) for r in rows), SEQ_BUCKETS)
+        tokens_bucket, seqs_bucket = lockstep_buckets([sum(len(row[0]) for row in r) for r in rows],
+                                                      [len(r) for r in rows])
         batches = _common_page_tables([
             RaggedBatch.build(r, self.page_size, state_groups=self.state_groups, token_buckets=(tokens_bucket,),
                               seq_buckets=(seqs_bucket,)) for r in rows])

@@ -21,7 +21,8 @@ from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import ParallelLayoutError
 from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool
-from agentjax.ragged_batch import RaggedBatch, bucket
+from agentjax.buckets import lockstep_buckets
+from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.compilation_cache import enable_compilation_cache
 from agentjax.runner.model_runner import ModelRunner, padded_page_copies
 from agentjax.runner.sampler import SamplingMetadata
@@ -127,8 +128,8 @@ class ShardedModelRunner(ModelRunner):
         dummy_row = ([0], 0, [[0] for _ in range(groups)])
         rows = [list(r) if r else [dummy_row] for r in rank_rows]
         sampling = [list(s) if r else [(0.0, 0, 1.0, 0, 0)] for r, s in zip(rank_rows, rank_sampling)]
-        tokens_bucket = bucket(max(sum(len(row[0]) for row in r) for r in rows), _token_buckets())
-        seqs_bucket = bucket(max(len(r) for r in rows), _seq_buckets())
+        tokens_bucket, seqs_bucket = lockstep_buckets([sum(len(row[0]) for row in r) for r in rows],
+                                                      [len(r) for r in rows])
         batches = [RaggedBatch.build(r, self.page_sizes, state_groups=self.state_groups, token_buckets=(tokens_bucket,),
                                      seq_buckets=(seqs_bucket,), state_interval=self.state_interval) for r in rows]
         batches = _common_page_tables(batches)
@@ -191,18 +192,6 @@ def _stacked(trees: list):
     from agentjax.runner.sharded_step import stack_for_data
 
     return stack_for_data(trees)
-
-
-def _token_buckets():
-    from agentjax.ragged_batch import TOKEN_BUCKETS
-
-    return TOKEN_BUCKETS
-
-
-def _seq_buckets():
-    from agentjax.ragged_batch import SEQ_BUCKETS
-
-    return SEQ_BUCKETS
 
 
 def _common_page_tables(batches: list[RaggedBatch]) -> list[RaggedBatch]:

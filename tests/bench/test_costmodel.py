@@ -199,3 +199,30 @@ def test_the_minimax_m3_table_agrees_with_the_full_size_preset():
     assert derived.lm_head_params == table.lm_head_params
     # the preset is BF16 (2 bytes a value); the table assumes fp8 KV and index (1 byte)
     assert derived.kv_bytes_per_token == 2 * table.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 17, 24, 33, 100, 200, 256])
+def test_the_planner_pads_a_decode_step_as_the_engine_pads_it(rows):
+    """The cost model's padded shape of a decode step is the (tokens, rows) shape `RaggedBatch.build`
+    gives the runner: the planner reads the engine's buckets."""
+    from agentjax.ragged_batch import RaggedBatch
+
+    decodes = [(1, 100 + row) for row in range(rows)]
+    batch = RaggedBatch.build([([7], 100 + row, list(range(1, 1 + 8 + row // 16))) for row in range(rows)], 16)
+    model = CostModel(TOY, GPUS["H200"])
+    assert model.padded_shape([decodes]) == (batch.num_tokens, batch.num_seqs)
+    assert model.step_cost([decodes]).quantities["tokens"] == batch.num_tokens
+    assert CostModel(TOY, GPUS["H200"], pad_batches=False).padded_shape([decodes]) is None
+
+
+def test_lockstep_ranks_are_charged_the_common_padded_shape():
+    """DEP ranks run one shape, the largest rank's bucketed (the runners' `lockstep_buckets`): a rank with
+    3 decode rows next to one with 24 runs 32 token slots, an idle rank a dummy row padded as far."""
+    model = CostModel(TOY, GPUS["H200"], Layout.parse("dep2"))
+    busy, light = [(1, 50)] * 24, [(1, 50)] * 3
+    assert model.padded_shape([busy, light]) == (32, 32)
+    cost = model.step_cost([busy, light])
+    assert len(cost.rank_times_s) == 2
+    assert model._rank_quantities(light, model.padded_shape([busy, light]))["tokens"] == 32
+    assert model._rank_quantities([], model.padded_shape([busy, []]))["dense_flops"] == 2 * 100 * 32
+    assert model.padded_shape([[], []]) is None

@@ -127,3 +127,19 @@ def test_a_model_that_does_not_fit_is_refused():
         build_instance(target, VirtualClock())
     with pytest.raises(InvalidRequestError, match="role"):
         SimTarget(target.shape, GPUS["H200"], role="both")
+
+
+def test_the_padding_figure_counts_the_engines_padded_shapes():
+    """`padding_fraction`: the share of the steps' token slots (the runner's buckets) that were padding,
+    recomputed here from the step log; 0 with exact shapes."""
+    from agentjax.buckets import lockstep_buckets
+
+    log: list = []
+    summary = simulate_agentx(CONFIG, tiny_target(), synthetic_sessions(), step_log=log)
+    real = sum(n for _, ranks in log for rows in ranks for n, _ in rows)
+    slots = sum(lockstep_buckets([sum(n for n, _ in rows) for rows in ranks], [len(r) for r in ranks])[0] * len(ranks)
+                for _, ranks in log)
+    assert 0 < summary["padding_fraction"] < 1
+    assert summary["padding_fraction"] == pytest.approx(1 - real / slots)
+    exact = simulate_agentx(CONFIG, tiny_target(pad_batches=False), synthetic_sessions())
+    assert exact["padding_fraction"] == 0.0
