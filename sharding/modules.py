@@ -162,7 +162,8 @@ class ExpertParallelExperts(RoutedExperts):
     the token's rank in the single-device order (a token's pairs live on exactly one rank each, so adding
     the others' zeros is exact). Under TP the ranks of a TP group hold the same tokens: each sends every
     TP-th of them (the others route to no expert, as padding does) and a sum over the group, where each
-    token has one non-zero term, gives every rank all of them."""
+    token has one non-zero term, gives every rank all of them. Bucket padding (id `total_experts`) is sent
+    to no rank, and no received pair but a real one joins a group of the fast path's grouped matmuls."""
 
     def __init__(self, gate_up: nnx.Param, down: nnx.Param, activation, num_experts: int,
                  parallel: ParallelConfig, impl: str = "reference"):
@@ -183,25 +184,36 @@ class ExpertParallelExperts(RoutedExperts):
 
     def _routed(self, x, weights, expert_ids, numerics: str):
         ranks = self.parallel.role_size("expert")
-        local_experts = self.num_experts
+        tokens, k = expert_ids.shape
+        if numerics == INVARIANT:  # the weights stay home: the token's rank sums its pairs
+            recv_x, _, local_ids = self.dispatch(x, expert_ids)
+            valid = local_ids < self.num_experts
+            per_pair = map_row_blocks(self._pairs, recv_x, jnp.where(valid, local_ids, 0))
+            per_pair = jnp.where(valid[..., None], per_pair, jnp.zeros((), per_pair.dtype))
+            back = collectives.all_to_all(self.parallel, "expert", per_pair.reshape(ranks, tokens, k, -1))
+            return _weighted_sum(back.sum(axis=0), weights)
+        recv_x, recv_w, local_ids = self.dispatch(x, expert_ids, weights)
+        out = self._grouped(recv_x, recv_w, local_ids)
+        return collectives.all_to_all(self.parallel, "expert", out.reshape(ranks, tokens, -1)).sum(axis=0)
+
+    def dispatch(self, x, expert_ids, weights=None):
+        """The first all_to_all: `(rows, weights or None, local expert ids)` of the `ranks * tokens` rows this
+        rank receives. A pair whose expert another rank owns, and every pair of a padding token (global id
+        `total_experts`), gets the local id `num_experts` and weight 0: it joins no local expert's group,
+        so the grouped matmuls give it zeros without a multiply."""
+        ranks, local_experts = self.parallel.role_size("expert"), self.num_experts
         tokens, k = expert_ids.shape
         owner = expert_ids // local_experts
         mine = owner[None] == jnp.arange(ranks, dtype=expert_ids.dtype)[:, None, None]  # [ranks, T, k]
         send_x = jnp.where(mine.any(-1)[..., None], x[None], jnp.zeros((), x.dtype))
-        send_ids = jnp.where(mine, expert_ids[None] % local_experts, -1)
+        send_ids = jnp.where(mine, expert_ids[None] % local_experts, local_experts)
         recv_x = collectives.all_to_all(self.parallel, "expert", send_x).reshape(ranks * tokens, -1)
         recv_ids = collectives.all_to_all(self.parallel, "expert", send_ids).reshape(ranks * tokens, k)
-        valid = recv_ids >= 0
-        safe_ids = jnp.where(valid, recv_ids, 0)
-        if numerics == INVARIANT:
-            per_pair = map_row_blocks(self._pairs, recv_x, safe_ids)
-            per_pair = jnp.where(valid[..., None], per_pair, jnp.zeros((), per_pair.dtype))
-            back = collectives.all_to_all(self.parallel, "expert", per_pair.reshape(ranks, tokens, k, -1))
-            return _weighted_sum(back.sum(axis=0), weights)
+        if weights is None:
+            return recv_x, None, recv_ids
         send_w = jnp.where(mine, weights[None], 0.0)
         recv_w = collectives.all_to_all(self.parallel, "expert", send_w).reshape(ranks * tokens, k)
-        out = self._grouped(recv_x, jnp.where(valid, recv_w, 0.0), safe_ids)
-        return collectives.all_to_all(self.parallel, "expert", out.reshape(ranks, tokens, -1)).sum(axis=0)
+        return recv_x, recv_w, recv_ids
 
     def _pairs(self, rows, ids):
         """Each row against its k gathered local experts: the single-device `_gathered` before its sum."""

@@ -57,6 +57,43 @@ def test_expert_parallel_experts_match_one_device(numerics):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def test_expert_parallel_dispatch_hands_only_real_pairs_to_the_grouped_matmul():
+    """DEP in fast numerics: the pairs each rank's grouped matmuls receive sum, over the ranks, to the real
+    tokens' pairs: a pair another rank owns and every pair of a padding token (id `num_experts`, weight 0,
+    as `MoE(real_tokens=...)` routes it) join no local group. The real tokens' outputs match one device,
+    the padding tokens' are zero."""
+    from agentjax.models.moe import expert_group_sizes
+
+    need_devices(4)
+    moe, x, weights, ids = _moe_inputs(tokens=24)
+    padding = np.zeros(24, bool)
+    padding[[2, 9, 21, 22, 23]] = True  # bucket padding at the end of ranks' rows, and inside them
+    ids = jnp.where(padding[:, None], CONFIG.num_experts, ids)
+    weights = jnp.where(padding[:, None], 0.0, weights)
+    want = moe.experts(x, weights, ids, "fast")
+    parallel = ParallelConfig(data_parallel_size=4, enable_expert_parallel=True)
+    stacked = [a.reshape(4, 6, *a.shape[1:]) for a in (x, weights, ids)]
+    module = ExpertParallelExperts(nnx.Param(moe.experts.gate_up_proj[...]), nnx.Param(moe.experts.down_proj[...]),
+                                   moe.experts.activation, CONFIG.num_experts, parallel)
+    graphdef, state = nnx.split(module)
+
+    def body(state, x, w, i):
+        experts = nnx.merge(graphdef, state)
+        _, _, local_ids = experts.dispatch(x[0], i[0], w[0])
+        pairs = expert_group_sizes(local_ids, experts.num_experts).sum()
+        return experts(x[0], w[0], i[0], "fast")[None], pairs[None]
+
+    data = PartitionSpec(axes("data"))
+    mapped = jax.shard_map(body, mesh=build_mesh(parallel),
+                           in_specs=(jax.tree.map(lambda _: PartitionSpec(axes("expert")), state), data, data, data),
+                           out_specs=(data, data), check_vma=False)
+    got, pairs = jax.jit(mapped)(state, *stacked)
+    got = np.asarray(got).reshape(24, 16)
+    assert int(np.asarray(pairs).sum()) == (24 - padding.sum()) * CONFIG.num_experts_per_token
+    np.testing.assert_array_equal(got[padding], 0.0)
+    np.testing.assert_allclose(got[~padding], np.asarray(want)[~padding], rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("numerics", ["batch_invariant", "fast"])
 def test_expert_parallel_experts_inside_tensor_parallel_match_one_device(numerics):
     """EP over data x TP: the TP ranks of a data rank hold the same tokens and each sends every other one."""
