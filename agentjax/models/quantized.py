@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentjax import kernels
 from checkpoints import quant_codecs
 from checkpoints.quant_codecs import Codec
 
@@ -94,16 +95,14 @@ def take_experts(weight, ids):
 
 def grouped_operand(weight):
     """The MoE kernel's operand for routed experts `[E, K, N]`: FP8 with block scales stays FP8
-    (`pallas_kernels.moe_grouped_matmul.Fp8Experts`); other formats are decoded here."""
-    from pallas_kernels.moe_grouped_matmul import Fp8Experts
-
+    (`kernels.Fp8Experts`); other formats are decoded here."""
     if not isinstance(weight, StoredWeight):
         return weight
     codec = weight.codec
     k, n = weight.values.shape[-2:]
     if (codec.values == "e4m3" and weight.ndim == 3 and codec.global_scale is False
             and k % codec.block[0] == 0 and n % codec.block[1] == 0):
-        return Fp8Experts(values=weight.values, scales=weight.scales.astype(jnp.float32))
+        return kernels.Fp8Experts(values=weight.values, scales=weight.scales.astype(jnp.float32))
     return weight[...]
 
 
