@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentjax import kernels
+from agentjax.models.block_weights import EncodedWeight
 from checkpoints import quant_codecs
 from checkpoints.quant_codecs import Codec
 
 
 @jax.tree_util.register_pytree_node_class
-class StoredWeight:
+class StoredWeight(EncodedWeight):
     """`values` (+ `scales`, + `global_scale` of shape `leading + (1, 1)`) in `codec`, read as `dtype`."""
 
     def __init__(self, values, scales=None, global_scale=None, *, codec: Codec, dtype: str = "float32"):
@@ -61,17 +62,6 @@ class StoredWeight:
     def dequantize(self, xp=jnp):
         out = quant_codecs.dequantize(self.values, self.scales, self.global_scale, self.codec, xp)
         return out.astype(self.compute_dtype)
-
-    def __getitem__(self, key):
-        if key is not Ellipsis:
-            raise TypeError("a StoredWeight is read whole (weight[...]); use take_rows for rows")
-        return self.dequantize()
-
-    def __array__(self, dtype=None, copy=None):
-        host = StoredWeight(*(None if p is None else np.asarray(p) for p in self.parts), codec=self.codec,
-                            dtype=self.compute_dtype)
-        values = host.dequantize(np)
-        return values if dtype is None else values.astype(dtype)
 
     def take_rows(self, ids):
         """Rows `ids` of a table (axis -2) decoded; only the rows' bytes are gathered when blocks are one row."""
