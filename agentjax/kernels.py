@@ -30,6 +30,9 @@ from pallas_kernels import paged_decode_attention_mgpu as _decode
 from pallas_kernels import ragged_paged_attention as _rpa
 from pallas_kernels import ragged_paged_attention_kernels as _rpa_kernels
 
+# The grouped-matmul kernel's FP8 operand, which `models/quantized.py` builds from a stored weight.
+Fp8Experts = _gmm.Fp8Experts
+
 ATTENTION_IMPLS = ("auto", "reference", "kernel")
 
 

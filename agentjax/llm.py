@@ -17,6 +17,7 @@ from agentjax.errors import InvalidRequestError
 from agentjax.logprobs import TokenLogprobs, cumulative_logprob
 from agentjax.outputs import CompletionOutput, RequestOutput
 from agentjax.sampling_params import SamplingParams
+from agentjax.stop_strings import ReplyText
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -110,7 +111,8 @@ class LLM:
             for request_id in added:
                 self.engine.abort(request_id)
             raise
-        streams = {i: _SampleStream() for i in added}
+        streams = {request_id: _SampleStream(self.tokenizer, sp.stop)
+                   for ids, sp in zip(groups, sampling_params) for request_id in ids}
         for out in self.engine.run_until_done():
             stream = streams.get(out.request_id)
             if stream is not None:
@@ -123,10 +125,7 @@ class LLM:
         samples = []
         for index, request_id in enumerate(ids):
             stream = streams[request_id]
-            text = self.tokenizer.decode(stream.tokens) if self.tokenizer is not None else ""
-            for stop in sp.stop:
-                if stop in text:
-                    text = text[: text.index(stop)]
+            text = stream.reply.text if stream.reply is not None else ""
             logprobs = stream.logprobs if stream.logprobs else ([] if sp.logprobs is not None else None)
             cumulative = cumulative_logprob(stream.logprobs) if stream.logprobs else None
             samples.append(CompletionOutput(index, text, stream.tokens, stream.reason, logprobs, cumulative))
@@ -156,7 +155,8 @@ class LLM:
 class _SampleStream:
     """What one engine request produced, output by output."""
 
-    def __init__(self):
+    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+        self.reply = ReplyText(tokenizer, stops) if tokenizer is not None else None  # cut as the server cuts
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -165,6 +165,8 @@ class _SampleStream:
 
     def add(self, out) -> None:
         self.tokens.extend(out.new_token_ids)
+        if self.reply is not None:
+            self.reply.push(out.new_token_ids, out.finished)
         self.logprobs.extend(out.logprobs or ())
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs

@@ -4,7 +4,9 @@
 ends inside the newest delta; each delta is searched together with just the `longest - 1`
 characters before it, so a reply of n characters costs O(n) in all, never a re-decode of the
 whole output per token. `reply_hit_stop_string` drives one matcher per engine request from its
-token ids. Host only: never imports jax, never cuts text (the server does that, once).
+token ids. `ReplyText` turns the ids the engine sends into the reply's text, cut once where the
+stop string that ended it begins (the server streams it; `LLM.generate` joins it). Host only:
+never imports jax.
 """
 from __future__ import annotations
 
@@ -81,3 +83,62 @@ def reply_hit_stop_string(request: Any, tokenizer: Any) -> bool:
     if not new_ids:
         return False
     return watch.matcher.push(watch.detokenizer.add_tokens(new_ids)) is not None
+
+
+class StopTextBuffer:
+    """Streams text deltas, never emitting what a stop string would later cut off.
+
+    The engine ends a reply at the token that completes a stop string, so the text is searched
+    once, when the reply finishes, and only for a stop string that ends in its last delta; until
+    then the last `longest stop - 1` characters are held back, since they may begin one.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
+
+    def push(self, delta: str, finished: bool) -> str:
+        """The text that is now safe to send."""
+        if self.stopped:
+            return ""
+        boundary = len(self.text)
+        self.text += delta
+        if finished:
+            self.stopped = True
+            match = first_stop_ending_after(self.text, boundary, self.stops) if self.stops else None
+            if match is not None:
+                self.text, self.matched = self.text[:match.start], match.stop
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out
+
+
+class ReplyText:
+    """One reply's text as its token ids arrive: decoded incrementally, then held back and cut by a
+    `StopTextBuffer`, so the pieces `push` returns join to the final text."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.buffer = StopTextBuffer(stops)
+
+    def push(self, token_ids: Sequence[int], finished: bool) -> str:
+        """The text that is now safe to send, given the reply's next ids (and whether they end it)."""
+        delta = self.detokenizer.add_tokens(token_ids)
+        if finished:
+            delta += self.detokenizer.flush()
+        return self.buffer.push(delta, finished)
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the reply, once it has."""
+        return self.buffer.matched
+
+    @property
+    def text(self) -> str:
+        """All the text so far (the final text, cut, once the reply has finished)."""
+        return self.buffer.text

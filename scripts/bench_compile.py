@@ -10,7 +10,6 @@ over rounds. Compile time of a shape = its first call minus the median of the ca
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -21,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks_md import publish
+from benchmarks_md import benchmark_parser, publish
 from compile_timing import DEFINITIONS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,11 +56,10 @@ def median_of(results: list[dict]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--baseline-rev", required=True, help="git revision to compare against")
     parser.add_argument("--repeats", type=int, default=21, help="steady-state calls per shape (median)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of both sides (median)")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         baseline_dir = Path(tmp) / "baseline"

@@ -22,18 +22,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_generate import limit_threads  # noqa: E402
 from scripts.bench_generate_prompts import build_prompts  # noqa: E402
-from scripts.benchmarks_md import write_section  # noqa: E402
+from scripts.benchmarks_md import benchmark_parser, write_section  # noqa: E402
 
 SECTION = "## Prefill steps trimmed to a token bucket (SmolLM2-135M, on and off)"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--runs", type=int, default=6, help="timed runs of each engine, alternating (default 6)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     parser.add_argument("--batch", type=int, default=16, help="prompts in the batch (default 16)")
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
-    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     threads = limit_threads(args.threads)
 

@@ -10,7 +10,6 @@ Compile = first call minus the median of the calls after it; step = that median.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -19,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks_md import publish
+from benchmarks_md import benchmark_parser, publish
 from compile_timing import DEFINITIONS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,11 +60,10 @@ def measure(preset: str, repeats: int, numerics: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--presets", default=DEFAULT_PRESETS, help="comma-separated preset names")
     parser.add_argument("--repeats", type=int, default=11, help="steady-state calls per shape (median)")
     parser.add_argument("--numerics", default="fast", choices=("fast", "batch_invariant"))
-    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
     results = {}
     for preset in args.presets.split(","):

@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from benchmarks_md import benchmark_parser, write_section  # noqa: E402
 from local_server import free_port, start_healthy  # noqa: E402
 from agentjax.bench.agentx import AgentxConfig, AgentxRun, load_sessions  # noqa: E402
 from agentjax.bench.backends import HttpBackend  # noqa: E402
@@ -230,7 +231,7 @@ def run_config(args: argparse.Namespace, config: argparse.Namespace, log_dir: Pa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--traces", default=str(REPO.parent / "shared" / "traces" / "agentx-dev"))
     parser.add_argument("--configs", default="preset:tiny-dense@0.01,preset:tiny-long@0.05",
                         help="comma-separated MODEL@CONTEXT_SCALE; replicas are started anew for each")
@@ -244,7 +245,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="each policy in turn, this many times")
     parser.add_argument("--policies", default="sticky,queue")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
-    parser.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     args = parser.parse_args()
     command = "python scripts/bench_router.py " + " ".join(sys.argv[1:])
     load_before = os.getloadavg()[0]
@@ -261,8 +261,6 @@ def main() -> None:
     text = section(args, tables, machine_line(load_before), command)
     print(text)
     if not args.no_write:
-        from benchmarks_md import write_section
-
         write_section(text)
         print(f"[bench_router] wrote the {SECTION!r} section of BENCHMARKS.md", file=sys.stderr)
 

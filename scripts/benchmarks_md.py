@@ -4,6 +4,7 @@ A section runs from its `## ` heading to the next `## ` heading or the end of th
 """
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -46,3 +47,11 @@ def publish(body: str, write: bool, path: Path = BENCHMARKS) -> None:
     print(body)
     if write:
         write_section(body, path)
+
+
+def benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark script's parser: the first paragraph of its docstring as the description, and the
+    `--no-write` flag every such script takes (print the section, leave BENCHMARKS.md alone)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    return parser

@@ -7,7 +7,6 @@ BENCHMARKS.md. The tiny rows are asserted equal to the formula before they are w
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agentjax.kv.cache_layout import kv_buffer_specs  # noqa: E402
 from agentjax.models.presets import FULL_SIZE_PRESETS, PRESETS  # noqa: E402
-from scripts.benchmarks_md import write_section  # noqa: E402
+from scripts.benchmarks_md import benchmark_parser, write_section  # noqa: E402
 from sharding.attention import pcp_token_split  # noqa: E402
 from agentjax.bench.collective_formulas import expected_collectives  # noqa: E402
 from agentjax.bench.hlo_collectives import collectives_of  # noqa: E402
@@ -92,8 +91,7 @@ def full_rows() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser = benchmark_parser(__doc__)
     args = parser.parse_args()
     header = "| preset | layout | " + " | ".join(f"{k} (n / MB)" for k in KINDS) + " | total MB |"
     rule = "|" + "---|" * (len(KINDS) + 3)

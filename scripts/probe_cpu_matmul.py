@@ -14,7 +14,6 @@ GFLOP/s counts 2 x rows x in x out per matmul.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import platform
 import statistics
@@ -30,7 +29,7 @@ import numpy as np  # noqa: E402
 from agentjax.models.block_weights import BlockWeight, project  # noqa: E402
 from checkpoints.embedded import smollm2_path  # noqa: E402
 from checkpoints.gguf import load_gguf  # noqa: E402
-from scripts.benchmarks_md import write_section  # noqa: E402
+from scripts.benchmarks_md import benchmark_parser, write_section  # noqa: E402
 from scripts.call_timing import call_seconds  # noqa: E402
 
 SECTION = "## CPU matmul rates at decode shapes (SmolLM2-135M's MLP, probe)"
@@ -82,10 +81,9 @@ def probes(rows: int, dense: tuple, blocks: tuple, repeats: int) -> list[tuple]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--rows", type=int, default=16, help="decode rows (default 16)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per probe (default 20)")
-    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
 
     print("loading SmolLM2-135M's MLP weights (float32 and GGUF blocks)", file=sys.stderr)

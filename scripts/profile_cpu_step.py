@@ -12,7 +12,6 @@ reported as a share of the summed time and scaled to the measured wall time.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import datetime
 import gzip
@@ -36,7 +35,7 @@ from agentjax.models import load_model  # noqa: E402
 from agentjax.models.block_weights import HEAD_CHUNK_ROWS  # noqa: E402
 from agentjax.ragged_batch import RaggedBatch  # noqa: E402
 from agentjax.runner import make_step  # noqa: E402
-from scripts.benchmarks_md import write_section  # noqa: E402
+from scripts.benchmarks_md import benchmark_parser, write_section  # noqa: E402
 from scripts.call_timing import call_seconds  # noqa: E402
 
 SECTION = "## Where a CPU step's time goes (SmolLM2-135M, profile)"
@@ -116,12 +115,11 @@ def profile(step, params, kv, batch, cfg, steps: int) -> tuple[float, dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--rows", type=int, default=16, help="decode rows (default 16)")
     parser.add_argument("--context", type=int, default=64, help="cached tokens per decode row (default 64)")
     parser.add_argument("--prefill", type=int, default=1024, help="prefill tokens (default 1024)")
     parser.add_argument("--steps", type=int, default=10, help="timed and traced steps per case (default 10)")
-    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
 
     load_start = os.getloadavg()[0]

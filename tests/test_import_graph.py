@@ -265,3 +265,11 @@ def test_the_check_finds_circles_and_upward_imports(tmp_path):
                                      ["scripts.one", "scripts.two", "scripts.one"]]
     assert upward_paths(edges) == [["sharding.mesh", "agentjax.llm"]]
     assert edges["sharding.mesh"]["agentjax.llm"] == "sharding/mesh.py:2"
+
+
+def test_only_the_kernels_module_of_agentjax_imports_pallas_kernels(edges):
+    """`agentjax/kernels.py` picks a kernel or its reference per op; the rest of agentjax goes through it."""
+    found = [f"{module} -> {target} ({where})" for module, targets in sorted(edges.items())
+             if _under(module, ("agentjax",)) and module != "agentjax.kernels"
+             for target, where in sorted(targets.items()) if _under(target, ("pallas_kernels",))]
+    assert not found, "import kernels through agentjax.kernels:\n  " + "\n  ".join(found)

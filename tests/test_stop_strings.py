@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from agentjax.sampling_params import SamplingParams
-from agentjax.stop_strings import StopStringMatcher, first_stop_ending_after, reply_hit_stop_string
+from agentjax.stop_strings import ReplyText, StopStringMatcher, first_stop_ending_after, reply_hit_stop_string
 
 
 def whole_text_first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
@@ -98,3 +98,20 @@ def test_engine_stop_strings_match_the_server_cut_on_the_real_tokenizer():
     assert stopped_at is not None
     text = tokenizer.decode(ids[: stopped_at + 1])
     assert "café" in text and "café" not in tokenizer.decode(ids[:stopped_at])
+
+
+def test_reply_text_stops_where_the_engine_stops_and_cuts_once_for_the_server_and_llm():
+    """The engine's watch ends the reply at the token completing "END"; the ids then reach `ReplyText` in
+    uneven pieces, and the pieces it returns join to the text cut where that stop string begins."""
+    request = FakeRequest(SamplingParams(max_tokens=50, stop=("END", "xyz")))
+    tokenizer = CharTokenizer()
+    for char in "say ENDING and more":
+        request.output_token_ids.append(ord(char))
+        if reply_hit_stop_string(request, tokenizer):
+            break
+    ids = request.output_token_ids
+    reply = ReplyText(tokenizer, request.sampling.stop)
+    pieces = [reply.push(ids[:3], False), reply.push(ids[3:5], False), reply.push(ids[5:], True)]
+    assert pieces == ["s", "ay", " "]  # the last 2 characters wait: they may begin "END" or "xyz"
+    assert "".join(pieces) == reply.text == "say " and reply.matched == "END"
+    assert reply.push([ord("x")], True) == ""  # nothing after the end

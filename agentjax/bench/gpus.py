@@ -1,5 +1,5 @@
-"""Accelerator specs for the roofline cost model, each figure beside its public source, and the
-efficiency factors that turn peak figures into step times.
+"""Accelerator specs for the roofline cost model (the GPUs' figures and their public sources are data,
+in `gpus.toml`), and the efficiency factors that turn peak figures into step times.
 
 Peak figures are per GPU and dense (no 2:4 sparsity). The efficiency factors of the GPUs are
 unfitted defaults until a device check measures them (`costmodel.fit_efficiency`); the CPU entry's
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,104 +98,6 @@ class DeviceSpec:
         return dataclasses.replace(self, efficiency=efficiency)
 
 
-_NVIDIA_H200 = "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM column; tensor figures there are with sparsity, halved here)"
-_NVIDIA_HGX = "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 / B300 8-GPU totals, divided by 8; sparse FP8/BF16 halved)"
-_NVIDIA_GB300 = "https://www.nvidia.com/en-us/data-center/gb300-nvl72/ (72-GPU rack totals, divided by 72)"
-_VERDA = "https://verda.com/blog/gb300-nvl72-architecture (per-GPU dense table: GB300, B300, B200)"
-_CX8 = "ConnectX-8 SuperNIC, 800 Gb/s per GPU (HGX B300 and GB300 NVL72 pages)"
-_CX7 = "ConnectX-7, 400 Gb/s per GPU (HGX H200 / B200 reference designs)"
-_DGX_H200 = ("https://docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-foundation-enterprise-ai/"
-             "latest/core-components.html (DGX H200: 2 TB DDR5, eight 3.84 TB U.2 NVMe drives for cache)")
-_DGX_B200 = ("https://docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html (DGX B200: 2 TB of "
-             "DIMMs, 8 x 3.84 TB U.2 NVMe data cache, PCIe Gen5 Xeon 8570)")
-_HGX_B300_HOST = ("https://neocloud.kedios.io/planning-summary-reports/B300-Single-Rack-Server-Unit-Architecture.html "
-                  "(an HGX B300 server: 2 x Xeon 6776P, 32 x 128 GB DDR5; Xeon 6 root ports are PCIe Gen5)")
-_NVL72_RA = ("https://docs.nvidia.com/enterprise-reference-architectures/nvl72-ai-factory/latest/components.html "
-             "(GB300 NVL72 compute tray: 4 GPUs, 2 Grace CPUs, 4 E1.S NVMe cache drives)")
-_GEN4_NVME = ("https://flashgenius.net/guides/storage-systems-for-ai-workloads-ncp-aii-guide (PCIe Gen4 NVMe "
-              "about 7 GB/s sequential read per drive, 8 drives 40-48 GB/s write); one drive per GPU")
-_GEN5_NVME = ("https://www.solidigm.com/products/technology/accelerating-ai-with-high-performance-storage.html "
-              "(D7-PS1010, E1.S 7.68 TB, PCIe 5.0: up to 14,500 MB/s sequential read); one drive per GPU")
-_PCIE5 = "PCIe Gen5 x16: 128 GB/s bidirectional, 64 GB/s each way"
-_MISSION_PRICE = ("../shared/MISSION.md results: $4.52/h for 2 B300 and $27.72/h for 12 GB300 "
-                  "($36.96/h for 16 GB300), i.e. the reference system's own GPU-hour prices")
-
-
-
-def _host_sources(memory: str, link: str, disk: str, drive: str) -> dict[str, str]:
-    return {"host_memory_bytes": memory, "host_link_bw": link, "disk_bytes": disk,
-            "disk_read_bw": drive, "disk_write_bw": f"{drive}; writes taken at about half the read rate"}
-
-
-GPUS: dict[str, DeviceSpec] = {
-    "H200": DeviceSpec(
-        name="H200", bf16_flops=989 * TERA, fp8_flops=1979 * TERA, fp4_flops=1979 * TERA,
-        hbm_bytes=141 * GIGA, hbm_bw=4.8 * TERA, link_bw=450 * GIGA, scaleout_bw=50 * GIGA, nvlink_domain=8,
-        price_per_hour=None,
-        sources={"bf16_flops": f"1,979 TFLOPS sparse / 2: {_NVIDIA_H200}",
-                 "fp8_flops": f"3,958 TFLOPS sparse / 2: {_NVIDIA_H200}",
-                 "fp4_flops": "Hopper has no FP4 tensor cores: FP4 weights run at the FP8 rate",
-                 "hbm_bytes": f"141 GB HBM3e: {_NVIDIA_H200}", "hbm_bw": f"4.8 TB/s: {_NVIDIA_H200}",
-                 "link_bw": f"NVLink 900 GB/s bidirectional, 450 GB/s each way: {_NVIDIA_H200}",
-                 "scaleout_bw": _CX7, "price_per_hour": "none chosen: pass a price",
-                 "nvlink_domain": f"8 GPUs on NVSwitch per HGX/DGX H200: {_DGX_H200}",
-                 **_host_sources(f"2 TB per 8 GPUs: {_DGX_H200}", f"{_PCIE5} ('PCIe Gen5: 128GB/s'): {_NVIDIA_H200}",
-                                 f"one 3.84 TB U.2 drive per GPU: {_DGX_H200}", _GEN4_NVME)},
-        host_memory_bytes=250 * GIGA, host_link_bw=64 * GIGA, disk_bytes=3.84 * TERA, disk_read_bw=7 * GIGA,
-        disk_write_bw=3.5 * GIGA),
-    "B200": DeviceSpec(
-        name="B200", bf16_flops=2250 * TERA, fp8_flops=4500 * TERA, fp4_flops=9000 * TERA,
-        hbm_bytes=180 * GIGA, hbm_bw=7.7 * TERA, link_bw=900 * GIGA, scaleout_bw=50 * GIGA, nvlink_domain=8,
-        price_per_hour=None,
-        sources={"bf16_flops": f"36 PFLOPS sparse per 8 GPUs: {_NVIDIA_HGX}; 2.25 PFLOPS dense: {_VERDA}",
-                 "fp8_flops": f"72 PFLOPS sparse per 8 GPUs: {_NVIDIA_HGX}; 4.5 PFLOPS dense: {_VERDA}",
-                 "fp4_flops": f"72 PFLOPS dense per 8 GPUs: {_NVIDIA_HGX}; 9 PFLOPS dense: {_VERDA}",
-                 "hbm_bytes": f"1.4 TB per 8 GPUs: {_NVIDIA_HGX}; 180 GB: {_VERDA}",
-                 "hbm_bw": f"7.7 TB/s: {_VERDA}",
-                 "link_bw": f"NVLink 5, 1.8 TB/s bidirectional per GPU: {_NVIDIA_HGX}",
-                 "scaleout_bw": _CX7, "price_per_hour": "none chosen: pass a price",
-                 "nvlink_domain": f"8 GPUs on 2 NVLink switches: {_DGX_B200}",
-                 **_host_sources(f"2 TB per 8 GPUs: {_DGX_B200}", f"{_PCIE5}: {_DGX_B200}",
-                                 f"one 3.84 TB U.2 drive per GPU: {_DGX_B200}", _GEN4_NVME)},
-        host_memory_bytes=250 * GIGA, host_link_bw=64 * GIGA, disk_bytes=3.84 * TERA, disk_read_bw=7 * GIGA,
-        disk_write_bw=3.5 * GIGA),
-    "B300": DeviceSpec(
-        name="B300", bf16_flops=2250 * TERA, fp8_flops=4500 * TERA, fp4_flops=13500 * TERA,
-        hbm_bytes=270 * GIGA, hbm_bw=7.7 * TERA, link_bw=900 * GIGA, scaleout_bw=100 * GIGA, nvlink_domain=8,
-        price_per_hour=2.26,
-        sources={"bf16_flops": f"36 PFLOPS sparse per 8 GPUs: {_NVIDIA_HGX}; 2.25 PFLOPS dense: {_VERDA}",
-                 "fp8_flops": f"72 PFLOPS sparse per 8 GPUs: {_NVIDIA_HGX}; 4.5 PFLOPS dense: {_VERDA}",
-                 "fp4_flops": f"108 PFLOPS dense per 8 GPUs: {_NVIDIA_HGX} (the Verda table says 14 PFLOPS)",
-                 "hbm_bytes": f"270 GB usable of 288 GB HBM3e: {_VERDA}",
-                 "hbm_bw": f"7.7 TB/s: {_VERDA} (NVIDIA: 'up to 8 TB/s')",
-                 "link_bw": f"NVLink 5, 1.8 TB/s bidirectional per GPU: {_NVIDIA_HGX}",
-                 "scaleout_bw": _CX8, "price_per_hour": _MISSION_PRICE,
-                 "nvlink_domain": f"8 GPUs per HGX B300 baseboard: {_NVIDIA_HGX}",
-                 **_host_sources(f"4 TB per 8 GPUs: {_HGX_B300_HOST}", f"{_PCIE5} (the host CPU's root ports): "
-                                 f"{_HGX_B300_HOST}", f"one 3.84 TB NVMe drive per GPU, as DGX B200: {_DGX_B200}",
-                                 _GEN4_NVME)},
-        host_memory_bytes=500 * GIGA, host_link_bw=64 * GIGA, disk_bytes=3.84 * TERA, disk_read_bw=7 * GIGA,
-        disk_write_bw=3.5 * GIGA),
-    "GB300": DeviceSpec(
-        name="GB300", bf16_flops=2500 * TERA, fp8_flops=5000 * TERA, fp4_flops=15000 * TERA,
-        hbm_bytes=279 * GIGA, hbm_bw=8.0 * TERA, link_bw=900 * GIGA, scaleout_bw=100 * GIGA, nvlink_domain=72,
-        price_per_hour=2.31,
-        sources={"bf16_flops": f"360 PFLOPS sparse per 72 GPUs: {_NVIDIA_GB300}; 2.5 PFLOPS dense: {_VERDA}",
-                 "fp8_flops": f"720 PFLOPS sparse per 72 GPUs: {_NVIDIA_GB300}; 5 PFLOPS dense: {_VERDA}",
-                 "fp4_flops": f"1,080 PFLOPS dense per 72 GPUs: {_NVIDIA_GB300}; 15 PFLOPS: {_VERDA}",
-                 "hbm_bytes": f"20 TB per 72 GPUs: {_NVIDIA_GB300}; 279 GB: {_VERDA}",
-                 "hbm_bw": f"576 TB/s per 72 GPUs: {_NVIDIA_GB300}; 8 TB/s: {_VERDA}",
-                 "link_bw": f"130 TB/s NVLink per 72 GPUs (1.8 TB/s bidirectional each): {_NVIDIA_GB300}",
-                 "scaleout_bw": _CX8, "price_per_hour": _MISSION_PRICE,
-                 "nvlink_domain": f"72 GPUs in one NVLink domain: {_NVIDIA_GB300}",
-                 **_host_sources(f"up to 480 GB LPDDR5X per Grace CPU, one per 2 GPUs (36 per 72 GPUs): {_NVIDIA_GB300}",
-                                 "NVLink-C2C, 900 GB/s bidirectional per Grace, shared by its 2 GPUs: 225 GB/s per GPU "
-                                 f"each way: {_NVIDIA_GB300}; {_VERDA}", f"one E1.S drive per GPU: {_NVL72_RA}",
-                                 _GEN5_NVME)},
-        host_memory_bytes=240 * GIGA, host_link_bw=225 * GIGA, disk_bytes=7.68 * TERA, disk_read_bw=14.5 * GIGA,
-        disk_write_bw=7 * GIGA),
-}
-
 # This machine's CPU, as the engine runs SmolLM2 on it (float32, jnp reference attention). The
 # peaks are round nominal numbers; the factors scale them to measured step times. The defaults
 # are the fit of `scripts/validate_simulator.py` on 2026-12-01 (BENCHMARKS.md, "Planning simulator"),
@@ -221,6 +124,23 @@ SPEC_FIGURES = (
     ("disk_read_bw", "NVMe read, GB/s", GIGA), ("disk_write_bw", "NVMe write, GB/s", GIGA),
     ("price_per_hour", "price, $ per GPU-hour", 1),
 )
+
+
+def _load_gpus(path: Path = Path(__file__).with_name("gpus.toml")) -> dict[str, DeviceSpec]:
+    """The GPUs of `gpus.toml`: figures in the spec table's units (`SPEC_FIGURES`), sources with their
+    {NAME} references filled in."""
+    table = tomllib.loads(path.read_text(encoding="utf-8"))
+    references = table.pop("references")
+    devices = {}
+    for name, entry in table.items():
+        figures = {figure: entry[figure] * unit for figure, _, unit in SPEC_FIGURES if figure in entry}
+        sources = {figure: text.format(**references) for figure, text in entry["sources"].items()}
+        devices[name] = DeviceSpec(name=name, price_per_hour=figures.pop("price_per_hour", None),
+                                   sources=sources, **figures)
+    return devices
+
+
+GPUS: dict[str, DeviceSpec] = _load_gpus()
 
 
 def spec_table(devices: dict[str, DeviceSpec] | None = None) -> str:

@@ -37,8 +37,22 @@ _PARTS = ("q", "scale", "offset")
 _SEPARATOR = "#"  # flat names of the parts: "lm_head#q", "lm_head#scale", ...
 
 
+class EncodedWeight:
+    """A weight kept encoded, as a pytree of its parts: `weight[...]` decodes it whole (inside a step),
+    `np.asarray(weight)` decodes it on the host. A subclass gives `dequantize(xp)`."""
+
+    def __getitem__(self, key):
+        if key is not Ellipsis:
+            raise TypeError(f"a {type(self).__name__} is read whole (weight[...]); use take_rows for rows")
+        return self.dequantize()
+
+    def __array__(self, dtype=None, copy=None):
+        values = jax.tree.map(np.asarray, self).dequantize(np)
+        return values if dtype is None else values.astype(dtype)
+
+
 @jax.tree_util.register_pytree_node_class
-class BlockWeight:
+class BlockWeight(EncodedWeight):
     """`q * scale + offset` per block of `BLOCK` values along `axis` (-1 or -2); offset None means 0.
 
     `q` holds the integers (uint8 for 4-bit values, int8 for Q8_0), `scale` and `offset` are float32
@@ -86,16 +100,6 @@ class BlockWeight:
             offset = None if self.offset is None else self.offset[..., None, :]
         values = blocks * scale if offset is None else blocks * scale + offset
         return values.reshape(q.shape)
-
-    def __getitem__(self, key):
-        if key is not Ellipsis:
-            raise TypeError("a BlockWeight is read whole (weight[...]); use take_rows for rows")
-        return self.dequantize()
-
-    def __array__(self, dtype=None, copy=None):
-        host = BlockWeight(*(None if p is None else np.asarray(p) for p in self.parts()), axis=self.axis)
-        values = host.dequantize(np)
-        return values if dtype is None else values.astype(dtype)
 
     def map_parts(self, fn) -> "BlockWeight":
         """`fn` applied to each part; it must act on an axis that is not blocked (a row permutation)."""

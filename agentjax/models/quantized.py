@@ -15,12 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agentjax import kernels
+from agentjax.models.block_weights import EncodedWeight
 from checkpoints import quant_codecs
 from checkpoints.quant_codecs import Codec
 
 
 @jax.tree_util.register_pytree_node_class
-class StoredWeight:
+class StoredWeight(EncodedWeight):
     """`values` (+ `scales`, + `global_scale` of shape `leading + (1, 1)`) in `codec`, read as `dtype`."""
 
     def __init__(self, values, scales=None, global_scale=None, *, codec: Codec, dtype: str = "float32"):
@@ -61,17 +63,6 @@ class StoredWeight:
         out = quant_codecs.dequantize(self.values, self.scales, self.global_scale, self.codec, xp)
         return out.astype(self.compute_dtype)
 
-    def __getitem__(self, key):
-        if key is not Ellipsis:
-            raise TypeError("a StoredWeight is read whole (weight[...]); use take_rows for rows")
-        return self.dequantize()
-
-    def __array__(self, dtype=None, copy=None):
-        host = StoredWeight(*(None if p is None else np.asarray(p) for p in self.parts), codec=self.codec,
-                            dtype=self.compute_dtype)
-        values = host.dequantize(np)
-        return values if dtype is None else values.astype(dtype)
-
     def take_rows(self, ids):
         """Rows `ids` of a table (axis -2) decoded; only the rows' bytes are gathered when blocks are one row."""
         codec = self.codec
@@ -94,16 +85,14 @@ def take_experts(weight, ids):
 
 def grouped_operand(weight):
     """The MoE kernel's operand for routed experts `[E, K, N]`: FP8 with block scales stays FP8
-    (`pallas_kernels.moe_grouped_matmul.Fp8Experts`); other formats are decoded here."""
-    from pallas_kernels.moe_grouped_matmul import Fp8Experts
-
+    (`kernels.Fp8Experts`); other formats are decoded here."""
     if not isinstance(weight, StoredWeight):
         return weight
     codec = weight.codec
     k, n = weight.values.shape[-2:]
     if (codec.values == "e4m3" and weight.ndim == 3 and codec.global_scale is False
             and k % codec.block[0] == 0 and n % codec.block[1] == 0):
-        return Fp8Experts(values=weight.values, scales=weight.scales.astype(jnp.float32))
+        return kernels.Fp8Experts(values=weight.values, scales=weight.scales.astype(jnp.float32))
     return weight[...]
 
 

@@ -23,10 +23,9 @@ from agentjax.logprobs import TokenLogprobs
 from agentjax.sampling_params import SamplingParams
 from agentjax.server.async_engine import AsyncEngine, RequestStream
 from agentjax.server.errors import APIError, ClientDisconnectedError
-from agentjax.server.text import StopTextBuffer
 from agentjax.server.tool_parsers import ParsedPiece, TextPiece, ToolCall, ToolCallStart, ToolParser
 from agentjax.server.tool_parsers import ToolCallArguments as ParsedArguments
-from checkpoints.tokenizer import IncrementalDetokenizer
+from agentjax.stop_strings import ReplyText
 
 DISCONNECT_POLL_S = 1.0
 USAGE_SCOPE_KEY = "agentjax.usage"  # where the access log finds a request's token counts
@@ -212,8 +211,7 @@ class ChatRun:
     async def events(self) -> AsyncIterator[ChatEvent]:
         """Text deltas and tool calls as they are decoded, then `Finished`. Engine failures raise
         `APIError`."""
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
-        buffer = StopTextBuffer(self.sampling.stop)
+        reply = ReplyText(self.tokenizer, self.sampling.stop)
         calls = _CallSequencer(self.forced_calls)
         completion_tokens, cached, finish_reason, prompt_logprobs = 0, 0, "abort", None
         first_output = True
@@ -230,11 +228,9 @@ class ChatRun:
                 yield PromptLogprobs(prompt_logprobs)
             if self.sampling.logprobs is not None and getattr(output, "logprobs", None):
                 yield LogprobsDelta(list(output.logprobs))
-            delta = detokenizer.add_tokens(output.new_token_ids)
             if output.finished:
-                delta += detokenizer.flush()
                 finish_reason = output.finish_reason or "stop"
-            text = buffer.push(delta, output.finished)
+            text = reply.push(output.new_token_ids, output.finished)
             if self.parser is None:
                 pieces: list[ParsedPiece] = [TextPiece(text)] if text else []
             else:
@@ -251,7 +247,7 @@ class ChatRun:
             finish_reason = "tool_calls"  # a reply cut off by max_tokens still says "length"
         if self.usage is not None:
             self.usage["finish_reason"] = finish_reason
-        yield Finished(finish_reason, buffer.matched, self.prompt_tokens, completion_tokens, cached, prompt_logprobs)
+        yield Finished(finish_reason, reply.matched, self.prompt_tokens, completion_tokens, cached, prompt_logprobs)
 
     async def collect(self, request: Request | None = None) -> ChatResult:
         """All events at once; aborts the request if the client disconnects first."""

@@ -9,10 +9,18 @@ from agentjax.errors import AgentjaxError
 
 
 class APIError(AgentjaxError):
-    """An error that becomes an OpenAI-style error body with this status."""
+    """An error that becomes an OpenAI-style error body with this status. A subclass names its own
+    status and type in its header: `class X(APIError, status_code=404)` (unnamed ones are inherited)."""
 
     status_code = 400
     error_type = "invalid_request_error"
+
+    def __init_subclass__(cls, *, status_code: int | None = None, error_type: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if status_code is not None:
+            cls.status_code = status_code
+        if error_type is not None:
+            cls.error_type = error_type
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -21,58 +29,37 @@ class APIError(AgentjaxError):
         self.code = code
 
 
-class AuthenticationError(APIError):
-    status_code = 401
-    error_type = "authentication_error"
+class AuthenticationError(APIError, status_code=401, error_type="authentication_error"):
+    """The request's API key is missing or not one the server accepts."""
 
 
-class ModelNotFoundError(APIError):
-    status_code = 404
-    error_type = "invalid_request_error"
+class ModelNotFoundError(APIError, status_code=404):
+    """The request names a model this server does not serve."""
 
 
-class NotFoundError(APIError):
+class NotFoundError(APIError, status_code=404):
     """Something the request names (a stored response) does not exist."""
 
-    status_code = 404
-    error_type = "invalid_request_error"
+
+class RequestTooLargeError(APIError, status_code=413):
+    """The request's body is larger than the server accepts."""
 
 
-class RequestTooLargeError(APIError):
-    status_code = 413
-    error_type = "invalid_request_error"
-
-
-class ServerOverloadedError(APIError):
+class ServerOverloadedError(APIError, status_code=429, error_type="rate_limit_error"):
     """More requests are queued or running than the server's bound (`--max-queued-requests`)."""
 
-    status_code = 429
-    error_type = "rate_limit_error"
 
-
-class ClientDisconnectedError(APIError):
+class ClientDisconnectedError(APIError, status_code=499, error_type="client_closed_request"):
     """The client went away before its reply was ready (nginx's 499); nobody reads this answer."""
 
-    status_code = 499
-    error_type = "client_closed_request"
 
-
-class EngineFailedError(APIError):
+class EngineFailedError(APIError, status_code=500, error_type="server_error"):
     """The engine's step raised; the requests in flight at that moment are failed."""
 
-    status_code = 500
-    error_type = "server_error"
 
-
-class ServerShuttingDownError(APIError):
+class ServerShuttingDownError(APIError, status_code=503, error_type="service_unavailable"):
     """The server is stopping and its graceful-shutdown time is up: the reply ends here (retry elsewhere)."""
 
-    status_code = 503
-    error_type = "service_unavailable"
 
-
-class KVTierUnavailableError(APIError):
+class KVTierUnavailableError(APIError, status_code=503, error_type="service_unavailable"):
     """A KV transfer a router asked for cannot be made: the shared tier is out of use or too slow."""
-
-    status_code = 503
-    error_type = "service_unavailable"

@@ -236,11 +236,22 @@ class ChatChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+def _now_seconds() -> int:
+    return int(time.time())
+
+
+class _CompletionEnvelope(BaseModel):
+    """The fields every completion body and chunk opens with, in OpenAI's order (a subclass pins
+    `object` to its own literal; an overridden field keeps its place)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    object: str
+    created: int = Field(default_factory=_now_seconds)
     model: str
+
+
+class ChatCompletionResponse(_CompletionEnvelope):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: list[dict[str, Any] | None] | None = None
@@ -259,11 +270,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_CompletionEnvelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -276,11 +284,8 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_CompletionEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -288,7 +293,7 @@ class CompletionResponse(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_now_seconds)
     owned_by: str = "agentjax"
     max_model_len: int | None = None
 

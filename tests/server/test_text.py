@@ -4,8 +4,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentjax.server.text import StopTextBuffer, apply_stop
-from agentjax.stop_strings import StopStringMatcher
+from agentjax.server.text import apply_stop
+from agentjax.stop_strings import StopStringMatcher, StopTextBuffer
 
 ALPHABET = st.text(alphabet="abc ", max_size=6)
 
