@@ -18,6 +18,11 @@ from agentjax.sampling_params import SamplingParams
 
 TURN = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 NUM_SESSIONS = 8
+# One token bucket and one page-table width for every engine here (`EngineConfig.step_buckets`): a tiny
+# preset's step shape costs seconds to compile (tiny-dsv4: 14-35 s) and milliseconds to run, so 8
+# chunks of 16 tokens, a lone prompt and a decode of 8 rows with drafts all run as one 128-token shape
+# (rows: 8; sampled positions: 8, or 64 with drafts). Shape changes are the batch-invariance tests' job.
+STEP_BUCKETS = {"tokens": [128], "rows": [8, 64], "pages": [32]}
 PRESETS = ["tiny-dense", "tiny-sliding", "tiny-minimax-m3", "tiny-dsv4"]
 
 
@@ -30,7 +35,8 @@ def _model(name: str):
 
 def _engine(name: str, k: int | None = None, method: str = "ngram", draft_model=None, **settings) -> Engine:
     cfg, params, tokenizer = _model(name)
-    base = dict(numerics="batch_invariant", num_kv_blocks=384, max_num_batched_tokens=256, max_num_seqs=8)
+    base = dict(numerics="batch_invariant", num_kv_blocks=384, max_num_batched_tokens=256, max_num_seqs=8,
+                step_buckets=STEP_BUCKETS)
     if k is not None:
         base["speculative_config"] = {"method": method, "num_speculative_tokens": k}
         if method == "ngram":
