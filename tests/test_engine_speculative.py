@@ -121,6 +121,7 @@ def test_ngram_drafts_give_the_plain_runs_tokens_among_eight_sessions(name, k):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "tiny-dense" else (pytest.mark.slow,))
                                   for n in PRESETS])
+@pytest.mark.slow
 def test_drafts_accepted_in_full_in_part_and_not_at_all_keep_tokens_exact(name):
     engine = _engine(name, 5, long_prefill_token_threshold=16)
     engine.speculator.proposer = ScriptedDrafts(name)
@@ -141,6 +142,7 @@ def test_one_session_alone_with_drafts_gives_the_plain_runs_tokens(k):
     assert _run_sessions(engine, [3]) == {3: _plain_run("tiny-dense")[3]}
 
 
+@pytest.mark.slow
 def test_preemption_with_drafts_keeps_tokens_exact():
     engine = _engine("tiny-dense", 5, num_kv_blocks=20, max_num_batched_tokens=64, long_prefill_token_threshold=16)
     engine.speculator.proposer = ScriptedDrafts("tiny-dense")
@@ -149,6 +151,7 @@ def test_preemption_with_drafts_keeps_tokens_exact():
     engine.kv.check_invariants()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_draws_the_same_tokens_with_drafts_on_and_off():
     sampling = SamplingParams(max_tokens=16, temperature=1.0, top_k=5, seed=7, ignore_eos=True)
     plain = _run_sessions(_engine("tiny-dense"), [0, 1, 2], sampling)
