@@ -6,7 +6,12 @@ token buckets to avoid steps that pad far past one. Host only: never imports jax
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentjax.errors import InvalidRequestError
 
 # Small rows and tokens share one bucket: padding a decode batch of 1 row to 8 costs little next to
 # the weights every row reads, and padding rows reach no expert (agentjax/models/moe.py). Up to 256 the
@@ -29,11 +34,50 @@ def bucket(value: int, buckets: Sequence[int]) -> int:
     return size
 
 
-def lockstep_buckets(token_counts: Sequence[int], row_counts: Sequence[int]) -> tuple[int, int]:
+@dataclass(frozen=True)
+class StepBuckets:
+    """One engine's buckets (`EngineConfig.step_buckets`): the defaults above, or fewer where compiles
+    cost more than padding (a test of a tiny model pins one token bucket: each step shape it would
+    reach is a whole-model compile, and its steps cost microseconds whatever their padding). Past the
+    largest bucket a size doubles (`bucket`)."""
+
+    tokens: tuple[int, ...] = TOKEN_BUCKETS
+    rows: tuple[int, ...] = SEQ_BUCKETS
+    pages: tuple[int, ...] = PAGE_BUCKETS
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "rows", "pages"):
+            sizes = tuple(getattr(self, name))
+            if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes) \
+                    or list(sizes) != sorted(set(sizes)):
+                raise InvalidRequestError(
+                    f"step_buckets {name!r} must be increasing positive integers, got {list(sizes)}")
+            object.__setattr__(self, name, sizes)
+
+    @classmethod
+    def parse(cls, value: Any) -> "StepBuckets":
+        """From None (the defaults), a StepBuckets, or a dict (or its JSON text) with any of "tokens",
+        "rows" and "pages"; an `InvalidRequestError` names what is wrong."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"step_buckets is not valid JSON: {exc}") from None
+        if not isinstance(value, dict) or set(value) - {"tokens", "rows", "pages"}:
+            raise InvalidRequestError(f'step_buckets takes a dict of "tokens", "rows" and "pages" lists, got {value!r}')
+        return cls(**{name: tuple(sizes) for name, sizes in value.items()})
+
+
+def lockstep_buckets(token_counts: Sequence[int], row_counts: Sequence[int],
+                     buckets: StepBuckets = StepBuckets()) -> tuple[int, int]:
     """The (tokens, rows) buckets of one step whose ranks run in lockstep (one rank: its own batch's):
     every rank is padded to the largest rank's counts, bucketed. The runners pad to them and the
     planner charges them (agentjax/bench/costmodel.py)."""
-    return bucket(max(1, *token_counts), TOKEN_BUCKETS), bucket(max(1, *row_counts), SEQ_BUCKETS)
+    return bucket(max(1, *token_counts), buckets.tokens), bucket(max(1, *row_counts), buckets.rows)
 
 
 def bucket_below(value: int, buckets: Sequence[int]) -> int:

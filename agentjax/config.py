@@ -323,6 +323,10 @@ class EngineConfig:
     # KV storage by vLLM's names: "fp8" (float8_e4m3fn rows, a float32 scale per token and head) for the
     # attention kinds, on the XLA attention path; "auto": the model config's choice (its dtype by default).
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # The sizes a step pads its tokens, rows and page tables to, each shape one compiled executable:
+    # {"tokens": [...], "rows": [...], "pages": [...]} (any of them; a dict, its JSON text or a
+    # `StepBuckets`; stored parsed). None: agentjax/buckets.py's defaults.
+    step_buckets: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -367,6 +371,9 @@ class EngineConfig:
         from agentjax.spec_decode.config import SpeculativeConfig
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        from agentjax.buckets import StepBuckets
+
+        object.__setattr__(self, "step_buckets", StepBuckets.parse(self.step_buckets))
 
     def model_config_for(self, model_cfg: ModelConfig) -> ModelConfig:
         """`model_cfg` with this engine's KV cache dtype and the concrete attention implementation it runs:

@@ -122,7 +122,8 @@ class DataParallelEngine:
         self.ranks = [Engine(model_cfg, params, engine_cfg, tokenizer, runner=_NOT_YET) for _ in range(self.num_ranks)]
         page_size = engine_cfg.parallel.kv_page_tokens(engine_cfg.block_size)
         self.runner = DataParallelRunner(model_cfg, params, self.ranks[0].kv.num_pages, page_size,
-                                         engine_cfg.numerics, engine_cfg.logprobs_mode, parallel=engine_cfg.parallel)
+                                         engine_cfg.numerics, engine_cfg.logprobs_mode, parallel=engine_cfg.parallel,
+                                         step_buckets=engine_cfg.step_buckets)
         from agentjax.runner.distributed import distributed_runner
 
         self.runner = distributed_runner(self.runner, engine_cfg)  # process 0 announces its calls to the others

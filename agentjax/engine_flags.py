@@ -115,6 +115,10 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     add("--no-trim-prefill-to-buckets", dest="trim_prefill_to_buckets", action="store_false",
         help="always run a step's whole prefill chunks, even when that pads far past a token bucket "
              "(default: trimmed)")
+    add("--step-buckets", default=None, metavar="JSON",
+        help='the sizes a step pads to, each shape one compiled executable, e.g. \'{"tokens": [256], "rows": [8]}\' '
+             '(any of "tokens", "rows" and "pages"; past the largest a size doubles); fewer buckets compile '
+             "less and pad more (default: agentjax/buckets.py's)")
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser) -> None:

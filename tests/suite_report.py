@@ -35,8 +35,8 @@ def pytest_addoption(parser):
                          "PATH.jsonl gets each test's figures as it ends")
     group.addoption("--suite-max-rss-gb", type=float, default=8.0,
                     help="fail the run when a test process's peak resident size passes this (GB, default 8)")
-    group.addoption("--suite-max-maps", type=int, default=40_000,
-                    help="fail the run when a test process holds more memory mappings (default 40,000; Linux refuses past its default limit of 65,530)")
+    group.addoption("--suite-max-maps", type=int, default=30_000,
+                    help="fail the run when a test process holds more memory mappings (default 30,000; Linux refuses past its default limit of 65,530)")
 
 
 def pytest_configure(config):

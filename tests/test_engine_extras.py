@@ -86,6 +86,7 @@ def test_a_prompt_logprobs_request_reads_no_cached_page(tiny):
     assert all(e is not None for e in outputs[0].prompt_logprobs[1:])
 
 
+@pytest.mark.slow
 def test_penalties_on_the_device_follow_vllms_formula_on_the_raw_logits(tiny):
     sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0, presence_penalty=0.3,
                               frequency_penalty=0.7, repetition_penalty=1.3, logit_bias={12: 2.0, 40: -1.5})

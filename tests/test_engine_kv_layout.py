@@ -45,6 +45,7 @@ def test_groups_trade_memory_under_pressure_and_the_tokens_stay_those_of_a_large
     assert roomy.engine.scheduler.num_preemptions == 0
 
 
+@pytest.mark.slow
 def test_stats_report_each_page_groups_used_and_reserved_bytes():
     llm = LLM("preset:tiny-sliding", numerics="batch_invariant", kv_cache_memory_gb=0.001,
               max_num_batched_tokens=64)
@@ -58,6 +59,7 @@ def test_stats_report_each_page_groups_used_and_reserved_bytes():
     assert sum(row["reserved_bytes"] for row in groups.values()) <= layout.total_bytes
 
 
+@pytest.mark.slow
 def test_a_prompt_storing_0_85_of_the_memory_is_admitted_and_runs_where_shared_ids_refuse_it():
     """Two sliding layers and one full layer: 128 B per token for good, 256 B per token of the window.
     A prompt storing 0.85 of 512 KiB runs on the pool; the shared layout reserves every layer per page."""
@@ -71,6 +73,7 @@ def test_a_prompt_storing_0_85_of_the_memory_is_admitted_and_runs_where_shared_i
         shared.engine.add_request(prompt, GREEDY)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, hits", [("preset:tiny-kimi-k3", [0, 0, 96]), ("preset:tiny-sliding", [0, 96, 96])])
 def test_default_pages_stay_small_and_a_100_token_shared_prefix_hits(preset, hits):
     """With the default settings every attention page group of Kimi-style and Gemma-style models keeps

@@ -282,6 +282,7 @@ def disk_engine(tiny_dense, tmp_path_factory, request):
     engine.offload_worker.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", list(DISK_FAULTS))
 def test_a_failed_disk_load_is_recomputed_at_once_and_the_queue_behind_it_runs(disk_engine, cold_tokens, fault,
                                                                                caplog):

@@ -18,6 +18,11 @@ from agentjax.sampling_params import SamplingParams
 
 TURN = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 NUM_SESSIONS = 8
+# One token bucket and one page-table width for every engine here (`EngineConfig.step_buckets`): a tiny
+# preset's step shape costs seconds to compile (tiny-dsv4: 14-35 s) and milliseconds to run, so 8
+# chunks of 16 tokens, a lone prompt and a decode of 8 rows with drafts all run as one 128-token shape
+# (rows: 8; sampled positions: 8, or 64 with drafts). Shape changes are the batch-invariance tests' job.
+STEP_BUCKETS = {"tokens": [128], "rows": [8, 64], "pages": [32]}
 PRESETS = ["tiny-dense", "tiny-sliding", "tiny-minimax-m3", "tiny-dsv4"]
 
 
@@ -30,7 +35,8 @@ def _model(name: str):
 
 def _engine(name: str, k: int | None = None, method: str = "ngram", draft_model=None, **settings) -> Engine:
     cfg, params, tokenizer = _model(name)
-    base = dict(numerics="batch_invariant", num_kv_blocks=384, max_num_batched_tokens=256, max_num_seqs=8)
+    base = dict(numerics="batch_invariant", num_kv_blocks=384, max_num_batched_tokens=256, max_num_seqs=8,
+                step_buckets=STEP_BUCKETS)
     if k is not None:
         base["speculative_config"] = {"method": method, "num_speculative_tokens": k}
         if method == "ngram":
@@ -115,6 +121,7 @@ def test_ngram_drafts_give_the_plain_runs_tokens_among_eight_sessions(name, k):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "tiny-dense" else (pytest.mark.slow,))
                                   for n in PRESETS])
+@pytest.mark.slow
 def test_drafts_accepted_in_full_in_part_and_not_at_all_keep_tokens_exact(name):
     engine = _engine(name, 5, long_prefill_token_threshold=16)
     engine.speculator.proposer = ScriptedDrafts(name)
@@ -135,6 +142,7 @@ def test_one_session_alone_with_drafts_gives_the_plain_runs_tokens(k):
     assert _run_sessions(engine, [3]) == {3: _plain_run("tiny-dense")[3]}
 
 
+@pytest.mark.slow
 def test_preemption_with_drafts_keeps_tokens_exact():
     engine = _engine("tiny-dense", 5, num_kv_blocks=20, max_num_batched_tokens=64, long_prefill_token_threshold=16)
     engine.speculator.proposer = ScriptedDrafts("tiny-dense")
@@ -143,6 +151,7 @@ def test_preemption_with_drafts_keeps_tokens_exact():
     engine.kv.check_invariants()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_draws_the_same_tokens_with_drafts_on_and_off():
     sampling = SamplingParams(max_tokens=16, temperature=1.0, top_k=5, seed=7, ignore_eos=True)
     plain = _run_sessions(_engine("tiny-dense"), [0, 1, 2], sampling)

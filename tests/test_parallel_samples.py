@@ -21,6 +21,7 @@ def fresh_engine(llm: LLM, **settings) -> Engine:
     return Engine(llm.model_config, llm.params, EngineConfig(**{"num_kv_blocks": 128, **settings}), llm.tokenizer)
 
 
+@pytest.mark.slow
 def test_n_3_with_a_seed_gives_three_different_replies_reproducible_across_runs(tiny):
     sampling = SamplingParams(n=3, seed=1234, max_tokens=8, temperature=1.0, ignore_eos=True)
     first = tiny.generate([PROMPT], sampling)[0]

@@ -37,10 +37,10 @@ class DataParallelRunner(ShardedModelRunner):
         rows = [list(r) if r else [idle_row] for r in rank_rows]
         sampling = [list(s) if r else [IDLE_SAMPLING] for r, s in zip(rank_rows, rank_sampling)]
         tokens_bucket, seqs_bucket = lockstep_buckets([sum(len(row[0]) for row in r) for r in rows],
-                                                      [len(r) for r in rows])
+                                                      [len(r) for r in rows], self.step_buckets)
         batches = _common_page_tables([
             RaggedBatch.build(r, self.page_size, state_groups=self.state_groups, token_buckets=(tokens_bucket,),
-                              seq_buckets=(seqs_bucket,)) for r in rows])
+                              seq_buckets=(seqs_bucket,), page_buckets=self.step_buckets.pages) for r in rows])
         greedy_only = all(s[0] == 0.0 for per_rank in sampling for s in per_rank)
         metas = [_sampling_metadata(s, seqs_bucket, self.cfg.vocab_size, greedy_only) for s in sampling]
         for meta, mask in zip(metas, rank_bitmasks):

@@ -24,6 +24,7 @@ from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool, copy_pool_pages, new_pool
 from agentjax.progress import Heartbeat
+from agentjax.buckets import StepBuckets
 from agentjax.ragged_batch import STATE_SAVE_BUCKETS, RaggedBatch, bucket
 from agentjax.runner.compilation_cache import compile_notice, describe_step_shape, enable_compilation_cache
 from agentjax.runner.drafters import SpecInputs
@@ -86,11 +87,13 @@ class ModelRunner:
     last_drafts: np.ndarray | None = None
 
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
-                 logprobs_mode: str = "raw_logprobs", drafting=None, kv_layout=None):
+                 logprobs_mode: str = "raw_logprobs", drafting=None, kv_layout=None,
+                 step_buckets: StepBuckets = StepBuckets()):
         """`drafting` (agentjax.spec_decode.setup.Drafting, or None) names a device drafter: the method,
         its draft count and, for a draft model, its config and parameters. `kv_layout` (a
         `KVMemoryLayout`) places the KV memory: a "pool" layout's slabs, or with None / "shared" one
-        buffer per kind of `num_pages` pages of `page_size` tokens."""
+        buffer per kind of `num_pages` pages of `page_size` tokens. `step_buckets`: the sizes a batch
+        pads to (`EngineConfig.step_buckets`)."""
         enable_compilation_cache()
         self.cfg = cfg
         self.logprobs_mode = logprobs_mode
@@ -102,6 +105,7 @@ class ModelRunner:
         # tokens per page of each batch page table (a pool's page groups each have their own)
         self.page_sizes = kv_layout.tokens_per_page() if pooled else page_size
         self.numerics = numerics
+        self.step_buckets = step_buckets
         self.drafting = drafting
         self.drafter = make_drafter(cfg, drafting, numerics, page_size, kv_layout) if drafting is not None else None
         what = kv_memory_summary(kv_layout, self.num_pages, page_size)
@@ -249,8 +253,10 @@ class ModelRunner:
                  ) -> tuple[RaggedBatch, SamplingMetadata, bool]:
         if kv_copies:
             self.copy_pages(kv_copies)
+        buckets = self.step_buckets
         batch = RaggedBatch.build(rows, self.page_sizes, state_groups=self.state_groups, sample_counts=sample_counts,
-                                  state_interval=self.state_interval)
+                                  state_interval=self.state_interval, token_buckets=buckets.tokens,
+                                  seq_buckets=buckets.rows, page_buckets=buckets.pages)
         greedy_only = all(s[0] == 0.0 for s in sampling)
         meta = SamplingMetadata.greedy(batch.num_samples, self.cfg.vocab_size)
         if token_bitmask is not None:

@@ -21,7 +21,7 @@ from agentjax.config import EngineConfig, ModelConfig
 from agentjax.errors import ParallelLayoutError
 from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool
-from agentjax.buckets import lockstep_buckets
+from agentjax.buckets import StepBuckets, lockstep_buckets
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.compilation_cache import enable_compilation_cache
 from agentjax.runner.model_runner import ModelRunner, padded_page_copies
@@ -40,10 +40,10 @@ def make_model_runner(cfg: ModelConfig, params, num_pages: int, engine_cfg: Engi
     page_size = parallel.kv_page_tokens(engine_cfg.block_size)
     if parallel.is_single_device and engine_cfg.num_processes == 1:
         return ModelRunner(cfg, params, num_pages, page_size, engine_cfg.numerics, engine_cfg.logprobs_mode,
-                           drafting=drafting, kv_layout=kv_layout)
+                           drafting=drafting, kv_layout=kv_layout, step_buckets=engine_cfg.step_buckets)
     check_engine_layout(cfg, engine_cfg)
     runner = ShardedModelRunner(cfg, params, num_pages, page_size, engine_cfg.numerics, engine_cfg.logprobs_mode,
-                                parallel=parallel, kv_layout=kv_layout)
+                                parallel=parallel, kv_layout=kv_layout, step_buckets=engine_cfg.step_buckets)
     return distributed_runner(runner, engine_cfg)  # process 0 announces its calls to the others
 
 
@@ -64,7 +64,8 @@ class ShardedModelRunner(ModelRunner):
     """Owns the laid-out parameters and the per-device KV buffers; one shard_map step per call."""
 
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
-                 logprobs_mode: str = "raw_logprobs", *, parallel, devices=None, kv_layout=None):
+                 logprobs_mode: str = "raw_logprobs", *, parallel, devices=None, kv_layout=None,
+                 step_buckets: StepBuckets = StepBuckets()):
         from sharding.mesh import build_mesh
         from sharding.modules import place_parameters, specs_of
         from agentjax.runner.sharded_step import ShardedStep
@@ -75,6 +76,7 @@ class ShardedModelRunner(ModelRunner):
                                       f"{parallel.decode_context_parallel_size}")
         self.cfg, self.logprobs_mode, self.numerics = cfg, logprobs_mode, numerics
         self.page_size, self.num_pages, self.parallel = page_size, num_pages, parallel
+        self.step_buckets = step_buckets
         self.mesh = build_mesh(parallel, devices)
         self.sharded = ShardedStep(cfg, parallel, self.mesh, numerics)
         self.params = place_parameters(params, self.sharded.plans, self.mesh)
@@ -129,9 +131,10 @@ class ShardedModelRunner(ModelRunner):
         rows = [list(r) if r else [dummy_row] for r in rank_rows]
         sampling = [list(s) if r else [(0.0, 0, 1.0, 0, 0)] for r, s in zip(rank_rows, rank_sampling)]
         tokens_bucket, seqs_bucket = lockstep_buckets([sum(len(row[0]) for row in r) for r in rows],
-                                                      [len(r) for r in rows])
+                                                      [len(r) for r in rows], self.step_buckets)
         batches = [RaggedBatch.build(r, self.page_sizes, state_groups=self.state_groups, token_buckets=(tokens_bucket,),
-                                     seq_buckets=(seqs_bucket,), state_interval=self.state_interval) for r in rows]
+                                     seq_buckets=(seqs_bucket,), page_buckets=self.step_buckets.pages,
+                                     state_interval=self.state_interval) for r in rows]
         batches = _common_page_tables(batches)
         greedy_only = all(s[0] == 0.0 for per_rank in sampling for s in per_rank)
         metas = [_sampling_metadata(s, seqs_bucket, self.cfg.vocab_size, greedy_only) for s in sampling]

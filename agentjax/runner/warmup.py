@@ -2,7 +2,7 @@
 
 `step_shapes(engine, level)` lists the compiled step shapes an engine's settings allow: token buckets up
 to max_num_batched_tokens, row buckets up to max_num_seqs (never more rows than tokens), and each KV
-group's page-table width for contexts up to max_model_len, all from agentjax/buckets.py. Level
+group's page-table width for contexts up to max_model_len, all from the engine's `step_buckets`. Level
 "decode" keeps the decode shapes (one token per row), "steps" and "all" every reachable pair of them.
 `warm_up(engine, level)` builds each shape's executable, greedy and sampled, from rows that read and
 write only the null page, without running it (`ModelRunner.compile_step`); "all" also runs the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agentjax.buckets import PAGE_BUCKETS, SEQ_BUCKETS, TOKEN_BUCKETS, bucket, bucket_below
+from agentjax.buckets import StepBuckets, bucket, bucket_below
 from agentjax.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -39,20 +39,22 @@ class StepShape:
     context: int
 
 
-def token_row_buckets(max_tokens: int, max_rows: int, decode_only: bool = False) -> list[tuple[int, int]]:
+def token_row_buckets(max_tokens: int, max_rows: int, decode_only: bool = False,
+                      buckets: StepBuckets = StepBuckets()) -> list[tuple[int, int]]:
     """(token bucket, row bucket) pairs a step can pad to: a step of n rows has at least n tokens."""
     pairs = []
-    for tokens in _buckets_up_to(max_tokens, TOKEN_BUCKETS):
-        for rows in _buckets_up_to(min(max_rows, tokens), SEQ_BUCKETS):
-            fewest_rows = bucket_below(rows, SEQ_BUCKETS) + 1
-            if fewest_rows <= min(max_rows, tokens) and (not decode_only or _decode_fits(tokens, rows, max_rows)):
+    for tokens in _buckets_up_to(max_tokens, buckets.tokens):
+        for rows in _buckets_up_to(min(max_rows, tokens), buckets.rows):
+            fewest_rows = bucket_below(rows, buckets.rows) + 1
+            if fewest_rows <= min(max_rows, tokens) and (
+                    not decode_only or _decode_fits(tokens, rows, max_rows, buckets)):
                 pairs.append((tokens, rows))
     return pairs
 
 
-def _decode_fits(tokens: int, rows: int, max_rows: int) -> bool:
+def _decode_fits(tokens: int, rows: int, max_rows: int, buckets: StepBuckets) -> bool:
     """Whether a step of one token per row can pad to (tokens, rows): some row count n <= max_rows has both."""
-    low = max(bucket_below(tokens, TOKEN_BUCKETS), bucket_below(rows, SEQ_BUCKETS)) + 1
+    low = max(bucket_below(tokens, buckets.tokens), bucket_below(rows, buckets.rows)) + 1
     return low <= min(tokens, rows, max_rows)
 
 
@@ -65,17 +67,17 @@ def _buckets_up_to(value: int, buckets) -> list[int]:
         size = bucket(size + 1, buckets)
 
 
-def context_buckets(kv, max_context: int) -> list[int]:
+def context_buckets(kv, max_context: int, page_buckets=StepBuckets().pages) -> list[int]:
     """The longest context (up to `max_context`) of each distinct tuple of page-table widths: the most
     room a shape's rows can have."""
     candidates = {max_context}
     for group in kv.plan.groups:
-        for pages in PAGE_BUCKETS:
+        for pages in page_buckets:
             if pages * group.tokens_per_page < max_context:
                 candidates.add(pages * group.tokens_per_page)
     longest: dict[tuple[int, ...], int] = {}
     for context in sorted(candidates):
-        longest[tuple(bucket(max(1, n), PAGE_BUCKETS) for n in kv.page_table_lengths(context))] = context
+        longest[tuple(bucket(max(1, n), page_buckets) for n in kv.page_table_lengths(context))] = context
     return sorted(longest.values())
 
 
@@ -86,8 +88,9 @@ def step_shapes(engine, level: str = "all") -> list[StepShape]:
     if level == "none":
         return []
     cfg = engine.config
-    pairs = token_row_buckets(cfg.max_num_batched_tokens, cfg.max_num_seqs, decode_only=level == "decode")
-    contexts = context_buckets(engine.kv, engine.max_model_len)
+    pairs = token_row_buckets(cfg.max_num_batched_tokens, cfg.max_num_seqs, decode_only=level == "decode",
+                              buckets=cfg.step_buckets)
+    contexts = context_buckets(engine.kv, engine.max_model_len, cfg.step_buckets.pages)
     return [StepShape(tokens, rows, context) for tokens, rows in pairs for context in contexts]
 
 
@@ -97,7 +100,7 @@ def _rows_for(engine, shape: StepShape) -> list | None:
     tables = [[NULL_PAGE] * n for n in engine.kv.page_table_lengths(shape.context)]
     total = shape.tokens
     if total > shape.rows * shape.context:  # the fewest tokens of the bucket, then
-        total = bucket_below(shape.tokens, TOKEN_BUCKETS) + 1
+        total = bucket_below(shape.tokens, engine.config.step_buckets.tokens) + 1
         if total > shape.rows * shape.context:
             return None
     per_row = [total // shape.rows + (1 if r < total % shape.rows else 0) for r in range(shape.rows)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agentjax.buckets import TOKEN_BUCKETS, bucket, bucket_below
+from agentjax.buckets import bucket, bucket_below
 from agentjax.config import EngineConfig
 from agentjax.kv import KVCacheManager
 from agentjax.scheduler.request import Request, RequestState
@@ -316,10 +316,10 @@ class Scheduler:
         step, which a running prefill or decode usually makes anyway, and the step computes 512 token
         positions instead of 1024. Each trimmed row keeps at least one token; rows with lookahead pages or
         draft tokens, and models with recurrent-state boundaries (chunks must end on them), are left alone."""
-        total = out.num_tokens
-        below = bucket_below(total, TOKEN_BUCKETS)
+        total, buckets = out.num_tokens, self.config.step_buckets.tokens
+        below = bucket_below(total, buckets)
         excess = total - below
-        if below < MIN_TRIM_BUCKET or excess >= bucket(total, TOKEN_BUCKETS) - total or self.checkpoint_tokens:
+        if below < MIN_TRIM_BUCKET or excess >= bucket(total, buckets) - total or self.checkpoint_tokens:
             return
         trimmable = [item for item in out.scheduled
                      if item.is_prefill and not item.num_lookahead_tokens and not item.draft_token_ids]

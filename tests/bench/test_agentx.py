@@ -26,6 +26,7 @@ def few_traces(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_agentx_in_process(few_traces, tmp_path):
     out = tmp_path / "r.json"
     code = main(["bench", "agentx", "--model", "preset:tiny-dense", "--traces", str(few_traces),

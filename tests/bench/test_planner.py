@@ -77,6 +77,7 @@ def test_candidate_layouts_fit_the_architecture():
     assert candidate_layouts(get_shape("preset:tiny-dense"), 1, "mixed") == [Layout(tp=1)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRACES.is_dir(), reason=f"no dev traces at {TRACES}")
 def test_saturation_then_pd_write_json_and_png(tmp_path):
     traces = tmp_path / "traces"

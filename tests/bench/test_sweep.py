@@ -18,6 +18,7 @@ def test_pareto_front():
     assert pareto_front(points) == [0, 1, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRACES.is_dir(), reason=f"no dev traces at {TRACES}")
 def test_sweep_writes_png_and_json(tmp_path):
     traces = tmp_path / "traces"

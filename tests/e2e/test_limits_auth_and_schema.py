@@ -25,6 +25,7 @@ def server(tmp_path_factory):
         yield process
 
 
+@pytest.mark.slow
 def test_requests_without_the_api_key_get_401_and_with_it_succeed(server):
     without = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

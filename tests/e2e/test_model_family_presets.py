@@ -10,11 +10,15 @@ from tests.e2e.conftest import CLIENT_TIMEOUT_S, running_server
 
 PRESETS = ["preset:tiny-minimax-m3", "preset:tiny-kimi-k3", "preset:tiny-dsv4"]
 HISTORY = "You are a coding agent. " * 40  # a long shared prefix (well over one 64-token state interval)
+# Every step of these conversations (prompts of about 300 tokens, 18 pages of 16) as one compiled shape:
+# each shape of a tiny preset is seconds of compiling and milliseconds of running.
+STEP_BUCKETS = '{"tokens": [512], "rows": [8], "pages": [32]}'
 
 
 @pytest.fixture(scope="module", params=PRESETS)
 def family_server(request, tmp_path_factory):
-    with running_server(tmp_path_factory, "--model", request.param, "--block-size", "16") as server:
+    with running_server(tmp_path_factory, "--model", request.param, "--block-size", "16",
+                        "--step-buckets", STEP_BUCKETS) as server:
         server.model = request.param.removeprefix("preset:")
         yield server
 

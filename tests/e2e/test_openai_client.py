@@ -72,6 +72,7 @@ def test_second_turn_of_a_session_reports_cached_tokens(server):
     assert second.usage.prompt_tokens_details.cached_tokens <= second.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_streamed_text_equals_non_streamed_text_for_a_greedy_request(server):
     client = server.openai()
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]

@@ -6,6 +6,7 @@ Operation budget: each of the three state machines runs max_examples (50) x up t
 (120) steps; the test asserts that together they executed at least 10,000 manager operations.
 """
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
@@ -236,6 +237,7 @@ SETTINGS = settings(max_examples=50, stateful_step_count=120, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
+@pytest.mark.slow
 def test_random_operations_keep_invariants_and_match_the_brute_force_model():
     before = OPERATIONS["count"]
     run_state_machine_as_test(HybridMachine, settings=SETTINGS)

@@ -57,6 +57,7 @@ def test_no_master_is_a_start_up_error():
         MooncakeTier("just-a-host", "ns", segment_bytes=0)
 
 
+@pytest.mark.slow
 def test_calls_fail_with_an_error_once_the_master_is_killed(master):
     tier = MooncakeTier(master.address, "ns", segment_bytes=16 << 20)
     tier.put(_key(4), np.ones(PAGE, np.uint8))

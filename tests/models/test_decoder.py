@@ -43,6 +43,7 @@ def _decode_step(cfg, numerics):
     return np.asarray(hidden)[: len(PROMPTS)], np.asarray(routed), decode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numerics", ["fast", "batch_invariant"])
 def test_a_decode_step_sends_only_its_real_rows_to_the_experts(numerics, monkeypatch):
     cfg = preset_config("tiny-minimax-m3")

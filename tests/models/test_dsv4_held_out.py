@@ -65,6 +65,7 @@ def test_d_has_the_held_out_traits_and_needs_pages_of_32():
     assert len(_reference("deepseek-v4-d")["prompt_ids"]) // 4 > 3 * attention.index_topk  # selection drops entries
 
 
+@pytest.mark.slow
 def test_c_prompt_and_every_step_match_transformers():
     ref = _reference("deepseek-v4-c")
     assert ref["cached_uncached_agree"].all() and not ref["cached_indexer_boundary_tie"].any()
@@ -76,6 +77,7 @@ def test_c_prompt_and_every_step_match_transformers():
     assert (ours[length - 1:].argmax(-1) == ref["generated_ids"]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, tag, tie_step", [("deepseek-v4-c", "tie", 10), ("deepseek-v4-d", "", 8)])
 def test_where_an_indexer_tie_decides_agentjax_is_transformers_with_stable_ties(name, tag, tie_step):
     ref = _reference(name, tag)

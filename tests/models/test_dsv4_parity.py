@@ -77,6 +77,7 @@ def test_the_fixture_prompt_makes_the_indexer_select_and_outgrows_the_window(nam
     assert _comparable_steps(ref).all()  # the main references were chosen free of ties and near-ties
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FIXTURES)
 def test_last_prompt_position_logits_match_transformers_cached_prefill(name):
     ref = _reference(name)

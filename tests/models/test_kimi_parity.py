@@ -41,6 +41,7 @@ def _tokens_agree(ours: list[int], reference) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FIXTURES)
 def test_prompt_logits_and_greedy_tokens_match_transformers(name):
     reference = _reference(name)

@@ -32,6 +32,7 @@ def _jax_logits(cfg, arrays, tokens, page_size=16, positions=None):
     return np.asarray(jax.jit(make_logits_fn(cfg))(params, hidden[jnp.asarray(positions)]))
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_float64_numpy_reference():
     from checkpoints.embedded import smollm2_path
 

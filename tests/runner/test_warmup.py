@@ -75,6 +75,7 @@ def test_a_dev_trace_replay_after_warm_up_builds_no_executable():
     assert engine.runner.compiled_shapes == shapes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [{}, dict(tensor_parallel_size=2)], ids=["one-device", "tp2"])
 def test_page_mover_warm_up_builds_every_move_once_over_the_byte_pool_and_changes_no_page(layout):
     """The offload page movers over the byte pool (one device's, or each device's part of it under TP2):

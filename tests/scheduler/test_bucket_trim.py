@@ -47,6 +47,7 @@ def test_a_step_in_the_upper_half_of_a_bucket_or_below_256_tokens_is_not_trimmed
     assert _first_steps(lengths, steps=1) == [lengths]
 
 
+@pytest.mark.slow
 def test_trimmed_steps_give_the_untrimmed_runs_tokens(smollm2_invariant):
     """Batch-invariant numerics: three prompts of 110 tokens (330 in the first step, trimmed to 256) give
     the tokens of the same batch with trimming off."""

@@ -167,7 +167,10 @@ def _draws(seeds, k: int | None, prompt: list[int], draft_model=None, numerics: 
     from agentjax.engine import Engine
 
     cfg, params, tokenizer = _small_vocab_tiny_dense()
-    settings = dict(numerics=numerics, num_kv_blocks=1024, max_num_batched_tokens=1024, max_num_seqs=128)
+    # one shape per arm (test_engine_speculative.STEP_BUCKETS' reason): 1,024 tokens, 128 rows, 512 sampled
+    # positions with drafts (128 rows x 3), 8 pages per row (prompts of 23 tokens)
+    settings = dict(numerics=numerics, num_kv_blocks=1024, max_num_batched_tokens=1024, max_num_seqs=128,
+                    step_buckets={"tokens": [1024], "rows": [128, 512], "pages": [8]})
     if k is not None:
         settings["speculative_config"] = {"method": "draft_model", "num_speculative_tokens": k,
                                           "model": "preset:tiny-dense"}
