@@ -35,7 +35,7 @@ def command(args: argparse.Namespace, model: str, out: Path) -> list[str]:
             "--context-scale", str(args.context_scale), "--duration", "36000",
             "--sessions-per-lane", str(args.sessions_per_lane), "--max-output-tokens", str(args.max_output_tokens),
             "--subagent-share", str(args.subagent_share), "--retry-rate", str(args.retry_rate), "--compaction",
-            "--seed", str(args.seed), "--out", str(out)]
+            "--max-model-len", str(args.max_model_len), "--seed", str(args.seed), "--out", str(out)]
 
 
 def run(args: argparse.Namespace, model: str, out: Path) -> tuple[str, dict, float]:
@@ -99,6 +99,9 @@ def main() -> None:
     parser.add_argument("--subagent-share", type=float, default=0.44)
     parser.add_argument("--retry-rate", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=262_144,
+                        help="one context length for both models (tiny-dense has 4,096 positions, tiny-kimi-k3 "
+                             "32,768): no prompt is cut for one model only")
     parser.add_argument("--no-write", action="store_true", help="print the section only")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]

@@ -19,7 +19,9 @@ _ENGINE_FLAGS = (("--block-size", int, None, "tokens per KV page"),
                  ("--max-num-batched-tokens", int, None, "token budget of one step"),
                  ("--max-num-seqs", int, None, "rows in one step"),
                  ("--long-prefill-token-threshold", int, None, "cap on prefill tokens per request per step"),
-                 ("--prefill-schedule-interval", int, None, "admit new requests every Nth step"))
+                 ("--prefill-schedule-interval", int, None, "admit new requests every Nth step"),
+                 ("--max-model-len", int, None, "longest prompt plus output (the engine's default: the model's positions); "
+                  "replays that compare models give them one length, so no prompt is cut for one model only"))
 
 
 def _add_replay_flags(parser: argparse.ArgumentParser) -> None:
