@@ -148,8 +148,9 @@ class AgentxRun:
         summary = summarize(counted, max(wall, 1e-9), self.config.gpus)
         summary.update(warmup_requests=len(self.records) - len(counted),
                        config={k: v for k, v in asdict(self.config).items() if k != "progress"})
-        if hasattr(self.backend, "kv_stats"):  # an in-process engine: where its prefix hits came from
-            summary["kv"] = self.backend.kv_stats()
+        kv_stats = self.backend.kv_stats() if hasattr(self.backend, "kv_stats") else {}
+        if kv_stats:  # an in-process engine: where its prefix hits came from
+            summary["kv"] = kv_stats
         return summary
 
     async def _lane(self, lane: int) -> None:

@@ -143,7 +143,9 @@ class EngineBackend:
     def kv_stats(self) -> dict:
         """Where the engine's prefix hits came from: the prompt tokens each KV page group alone could
         serve (`group_hits`, by group name), tokens served through turn ends, states saved at branch
-        points, and pages evicted."""
+        points, and pages evicted. {} for an engine of several ranks (no one KV manager)."""
+        if not hasattr(self.engine, "kv"):
+            return {}
         kv = self.engine.kv.stats()
         layout = getattr(self.engine.kv, "layout", None)
         names = layout.group_names() if layout is not None else [str(g) for g in range(len(kv["group_hits"]))]
