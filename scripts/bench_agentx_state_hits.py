@@ -7,7 +7,7 @@ requests. Each row carries its exact command, its hit rate per request kind (fir
 compaction, retry) and what each KV page group alone could have served. Outputs are capped: no prompt
 holds an earlier output, so the hit rates do not depend on them. Hit rates are exact; seconds are not.
 
-    python scripts/bench_agentx_state_hits.py [--context-scale 0.25] [--lanes 2] [--sessions-per-lane 1]
+    python scripts/bench_agentx_state_hits.py [--context-scale 0.25] [--lanes 4] [--sessions-per-lane 1]
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--models", default="preset:tiny-kimi-k3,preset:tiny-dense")
     parser.add_argument("--traces", default="../shared/traces/agentx-dev")
     parser.add_argument("--context-scale", type=float, default=0.25)
-    parser.add_argument("--lanes", type=int, default=2)
+    parser.add_argument("--lanes", type=int, default=4)
     parser.add_argument("--sessions-per-lane", type=int, default=1)
     parser.add_argument("--max-output-tokens", type=int, default=4)
     parser.add_argument("--subagent-share", type=float, default=0.44)
