@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,8 @@ import numpy as np
 
 from agentjax.bench.backends import Backend, EngineBackend, HttpBackend, TurnRequest
 from agentjax.bench.metrics import RequestRecord, summarize
-from agentjax.bench.traces import Session, Turn, load_weka_traces, prompt_token_ids
+from agentjax.bench.trace_augment import TraceAugmentConfig, augment_sessions
+from agentjax.bench.traces import Session, Turn, load_weka_traces, prompt_token_ids, scale_session
 from agentjax.errors import InvalidRequestError
 from agentjax.progress import ProgressBar
 
@@ -51,6 +52,11 @@ class AgentxConfig:
     drain_timeout_s: float = 120.0
     progress: bool = False
     salt: str = ""  # prefixes every lane's salt: runs on one engine then share no prefixes
+    max_output_tokens: int | None = None  # cap each turn's recorded output (hit rates do not use it)
+    sessions_per_lane: int | None = None  # stop each lane after this many sessions (a fixed stream)
+    subagent_share: float = 0.0  # traffic added to the traces (`trace_augment`): off by default
+    retry_rate: float = 0.0
+    compaction: bool = False
 
     def __post_init__(self) -> None:
         if self.lanes < 1 or not self.duration_s > 0 or self.gpus < 1 or self.think_scale < 0:
@@ -59,6 +65,13 @@ class AgentxConfig:
                 f"duration={self.duration_s}, gpus={self.gpus}, think_scale={self.think_scale}")
         if self.max_context is not None and self.max_context < 2:
             raise InvalidRequestError(f"max_context={self.max_context} must be >= 2")
+        for name in ("sessions_per_lane", "max_output_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name}={getattr(self, name)} must be >= 1")
+
+    def augment(self) -> TraceAugmentConfig:
+        return TraceAugmentConfig(seed=self.seed, subagent_share=self.subagent_share,
+                                  retry_rate=self.retry_rate, compaction=self.compaction)
 
 
 class AgentxRun:
@@ -135,11 +148,14 @@ class AgentxRun:
         summary = summarize(counted, max(wall, 1e-9), self.config.gpus)
         summary.update(warmup_requests=len(self.records) - len(counted),
                        config={k: v for k, v in asdict(self.config).items() if k != "progress"})
+        kv_stats = self.backend.kv_stats() if hasattr(self.backend, "kv_stats") else {}
+        if kv_stats:  # an in-process engine: where its prefix hits came from
+            summary["kv"] = kv_stats
         return summary
 
     async def _lane(self, lane: int) -> None:
         rng = np.random.default_rng([self.config.seed, lane])
-        for replay in range(1_000_000):
+        for replay in range(self.config.sessions_per_lane or 1_000_000):
             if self._stopping():
                 return
             session = self.sessions[int(rng.integers(len(self.sessions)))]
@@ -172,7 +188,13 @@ class AgentxRun:
                     hints["parent_session_id"] = parent_id
                 if not last:
                     hints["expected_next_turn_s"] = self._think_time(session.turns[index + 1])
-                await self._send(lane, session, turn, salt, session_id, hints)
+                kind = ("branch" if parent_id is not None and index == 0 else
+                        "first" if index == start_turn else "compaction" if turn.compacted else "turn")
+                await self._send(lane, session, turn, salt, session_id, hints, kind)
+                for _ in range(turn.retries):
+                    if self._stopping():
+                        break
+                    await self._send(lane, session, turn, salt, session_id, hints, "retry")
                 for sub in forks.get(index, ()):
                     children.append(asyncio.create_task(self._replay(lane, sub, 0, salt, session_id)))
             await asyncio.gather(*children)
@@ -189,9 +211,10 @@ class AgentxRun:
             await asyncio.sleep(wait)
 
     async def _send(self, lane: int, session: Session, turn: Turn, salt: str, session_id: str,
-                    hints: dict) -> None:
+                    hints: dict, kind: str) -> None:
+        """One request; `kind` (first, turn, branch, compaction, retry) labels its record."""
         prompt = prompt_token_ids(session, turn, salt, self.backend.token_range)
-        max_tokens = max(1, turn.output_tokens)
+        max_tokens = max(1, min(turn.output_tokens, self.config.max_output_tokens or turn.output_tokens))
         cap = self.config.max_context
         if self.backend.max_prompt_tokens is not None:
             max_tokens = min(max_tokens, max(1, self.backend.max_prompt_tokens // 4))
@@ -212,6 +235,7 @@ class AgentxRun:
             record = await self.backend.send(request)
         finally:
             self.in_flight -= 1
+        record = replace(record, kind=kind)
         self.records.append((record, not warmup and record.start_time_s >= self.t_profile + self.config.warmup_s))
         if lane_requests + 1 == self.config.warmup_requests_per_lane:
             self._lanes_warm += 1
@@ -244,7 +268,11 @@ def load_sessions(config: AgentxConfig) -> list[Session]:
     path = Path(config.traces)
     if not path.is_dir():
         raise InvalidRequestError(f"--traces {path} is not a directory of weka traces")
-    return load_weka_traces(path, config.context_scale)
+    augment = config.augment()
+    if not augment.active:
+        return load_weka_traces(path, config.context_scale)
+    sessions = augment_sessions(load_weka_traces(path, 1.0), augment)
+    return [scale_session(session, session.block_size, config.context_scale) for session in sessions]
 
 
 async def run_agentx_async(config: AgentxConfig, backend: Backend,

@@ -140,6 +140,20 @@ class EngineBackend:
                                               len(request.prompt), cached, session_id=request.session_id,
                                               turn_index=request.turn_index)
 
+    def kv_stats(self) -> dict:
+        """Where the engine's prefix hits came from: the prompt tokens each KV page group alone could
+        serve (`group_hits`, by group name), tokens served through turn ends, states saved at branch
+        points, and pages evicted. {} for an engine of several ranks (no one KV manager)."""
+        if not hasattr(self.engine, "kv"):
+            return {}
+        kv = self.engine.kv.stats()
+        layout = getattr(self.engine.kv, "layout", None)
+        names = layout.group_names() if layout is not None else [str(g) for g in range(len(kv["group_hits"]))]
+        return {"query_tokens": kv["queries"], "hit_tokens": kv["hits"],
+                "group_hits": dict(zip(names, kv["group_hits"])), "turn_end_hits": kv["turn_end_hits"],
+                "turn_ends_saved": kv["turn_ends_saved"], "branch_states_saved": kv["branch_states_saved"],
+                "evictions": kv["evictions"], "preemptions": self.engine.scheduler.num_preemptions}
+
     async def close(self) -> None:
         if self._driver is not None:
             self._driver.cancel()

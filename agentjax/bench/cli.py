@@ -19,7 +19,9 @@ _ENGINE_FLAGS = (("--block-size", int, None, "tokens per KV page"),
                  ("--max-num-batched-tokens", int, None, "token budget of one step"),
                  ("--max-num-seqs", int, None, "rows in one step"),
                  ("--long-prefill-token-threshold", int, None, "cap on prefill tokens per request per step"),
-                 ("--prefill-schedule-interval", int, None, "admit new requests every Nth step"))
+                 ("--prefill-schedule-interval", int, None, "admit new requests every Nth step"),
+                 ("--max-model-len", int, None, "longest prompt plus output (the engine's default: the model's positions); "
+                  "replays that compare models give them one length, so no prompt is cut for one model only"))
 
 
 def _add_replay_flags(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +48,21 @@ def _add_replay_flags(parser: argparse.ArgumentParser) -> None:
     traffic.add_argument("--max-context", type=int, default=None,
                          help="cap tokens per prompt, truncating (default: none; the model's context in process, "
                               "the served max_model_len over HTTP)")
+    traffic.add_argument("--max-output-tokens", type=int, default=None,
+                         help="cap each turn's output (default: none, the recorded length scaled); a prompt "
+                              "never holds an earlier output, so token hit rates do not depend on it")
+    traffic.add_argument("--sessions-per-lane", type=int, default=None,
+                         help="stop each lane after this many sessions, so every run sends the same requests "
+                              "(default: none, lanes run until --duration)")
+    traffic.add_argument("--subagent-share", type=float, default=0.0,
+                         help="add subagent rollouts (a median of 4, branching off the parent's system prompt "
+                              "and tools) to this share of sessions (default 0; the reference mix: 0.44)")
+    traffic.add_argument("--retry-rate", type=float, default=0.0,
+                         help="re-send this share of requests once, identically, as a client does after a "
+                              "timeout (default 0)")
+    traffic.add_argument("--compaction", action="store_true",
+                         help="compact each session once: in its second half the context past the system "
+                              "prompt and tools becomes a summary (default: off)")
     traffic.add_argument("--drain-timeout", type=float, default=120.0,
                          help="seconds to let in-flight requests finish after --duration")
     engine = parser.add_argument_group("In-process engine", "settings of the engine this process runs "
@@ -67,7 +84,10 @@ def _config(args: argparse.Namespace, lanes: int, progress: bool):
                         warmup_requests_per_lane=args.warmup_requests_per_lane,
                         think_scale=args.think_scale, seed=args.seed, gpus=args.gpus,
                         max_context=args.max_context, drain_timeout_s=args.drain_timeout,
-                        progress=progress)
+                        progress=progress, sessions_per_lane=args.sessions_per_lane,
+                        max_output_tokens=args.max_output_tokens,
+                        subagent_share=args.subagent_share, retry_rate=args.retry_rate,
+                        compaction=args.compaction)
 
 
 def _backend_args(args: argparse.Namespace) -> dict:

@@ -74,7 +74,7 @@ class SessionGeneratorConfig:
                 f"{self.min_first_turn_input_tokens} must be >= 1")
 
 
-def _grow_turns(rng: np.random.Generator, config: SessionGeneratorConfig, num_turns: int,
+def grow_turns(rng: np.random.Generator, config: SessionGeneratorConfig, num_turns: int,
                 first_input_tokens: int | None, middle_input_tokens: float
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(input, output, think time) per turn. Turn t re-sends turn t-1's context, its output and a
@@ -99,7 +99,7 @@ def _grow_turns(rng: np.random.Generator, config: SessionGeneratorConfig, num_tu
     return inputs.astype(np.int64), outputs, think_times
 
 
-def _make_turns(inputs: np.ndarray, outputs: np.ndarray, think_times: np.ndarray,
+def make_turns(inputs: np.ndarray, outputs: np.ndarray, think_times: np.ndarray,
                 block_ids: np.ndarray, block_size: int) -> list[Turn]:
     """Turns whose hash ids are views of one id array: block i keeps one id for the session."""
     offsets = np.cumsum(think_times)
@@ -116,11 +116,11 @@ def generate_session(rng: np.random.Generator, config: SessionGeneratorConfig,
     block_size = config.block_size
     num_turns = int(config.main_turns.sample_counts(rng, 1)[0])
     middle_input = float(config.middle_turn_input_tokens.sample(rng, 1)[0])
-    inputs, outputs, think_times = _grow_turns(rng, config, num_turns, None, middle_input)
+    inputs, outputs, think_times = grow_turns(rng, config, num_turns, None, middle_input)
     scope = f"{config.session_id_prefix}:{config.seed}:{session_id}"
     num_parent_blocks = int(inputs[-1]) // block_size
     parent_ids = np.arange(1, num_parent_blocks + 1, dtype=np.int64)
-    session = Session(session_id, _make_turns(inputs, outputs, think_times, parent_ids, block_size),
+    session = Session(session_id, make_turns(inputs, outputs, think_times, parent_ids, block_size),
                       block_size, scope)
     if rng.random() < config.subagent_session_share:
         next_block_id = num_parent_blocks + 1
@@ -130,7 +130,7 @@ def generate_session(rng: np.random.Generator, config: SessionGeneratorConfig,
         for rollout in range(num_rollouts):
             sub_turns = int(config.subagent_turns.sample_counts(rng, 1)[0])
             task_tokens = int(config.subagent_task_tokens.sample_counts(rng, 1)[0])
-            sub_inputs, sub_outputs, sub_thinks = _grow_turns(
+            sub_inputs, sub_outputs, sub_thinks = grow_turns(
                 rng, config, sub_turns, fork.input_tokens + task_tokens, 0.0)
             shared = len(fork.hash_ids)
             own = int(sub_inputs[-1]) // block_size - shared
@@ -139,7 +139,7 @@ def generate_session(rng: np.random.Generator, config: SessionGeneratorConfig,
             next_block_id += own
             session.subagents.append(Session(
                 f"{session_id}/rollout_{rollout}",
-                _make_turns(sub_inputs, sub_outputs, sub_thinks, sub_ids, block_size),
+                make_turns(sub_inputs, sub_outputs, sub_thinks, sub_ids, block_size),
                 block_size, scope, parent_id=session_id, fork_turn=fork_turn,
                 start_offset_s=fork.offset_s))
     return scale_session(session, block_size, config.context_scale)

@@ -38,6 +38,7 @@ class RequestRecord:
     error: str | None = None
     session_id: str = ""
     turn_index: int = 0
+    kind: str = ""  # the replay's label: first, turn, branch, compaction, retry ("" unlabelled)
 
     @classmethod
     def from_token_times(cls, start_time_s: float, token_times_s: Sequence[float],
@@ -109,9 +110,20 @@ def summarize(records: Sequence[RequestRecord], wall_time_s: float, num_gpus: in
     summary["p90_itl_interactivity"] = _inverse(summary["itl_p90_s"])
     summary.update(input_tokens=input_tokens, cached_tokens=cached_tokens,
                    output_tokens=output_tokens, wall_time_s=wall_time_s, num_gpus=num_gpus)
+    kinds = sorted({record.kind for record in succeeded if record.kind})
+    if kinds:
+        summary["hit_rate_by_kind"] = {kind: _hits([r for r in succeeded if r.kind == kind]) for kind in kinds}
     if errors:
         logger.warning("%d of %d requests failed", errors, len(records))
     return summary
+
+
+def _hits(records: Sequence[RequestRecord]) -> dict:
+    """Requests, input and cached tokens, and the token hit rate of `records`."""
+    input_tokens = sum(record.input_tokens for record in records)
+    cached_tokens = sum(record.cached_tokens for record in records)
+    return {"requests": len(records), "input_tokens": input_tokens, "cached_tokens": cached_tokens,
+            "hit_rate": cached_tokens / input_tokens if input_tokens else None}
 
 
 def write_summary(summary: Mapping[str, Any], path: str | Path) -> None:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,8 @@ class Turn:
     offset_s: float  # recorded send time, seconds from the start of its session
     request_type: str = "n"  # weka: "n" main request, "s" side request; others use "n"
     recorded_api_time_s: float | None = None
+    retries: int = 0  # identical re-sends after the first (a client retrying after a timeout)
+    compacted: bool = False  # the first turn after a compaction: the context's tail became a summary
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Session:
     parent_id: str | None = None
     fork_turn: int | None = None  # the parent turn after which this subagent starts
     start_offset_s: float = 0.0  # from the parent's start (root sessions: from the trace start)
+    head_tokens: int = 0  # the system prompt and tool definitions every turn starts with (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -107,11 +110,10 @@ def scale_session(session: Session, original_block_size: int, context_scale: flo
     for turn in session.turns:
         scaled_input, scaled_output = scale_turn_lengths(
             turn.input_tokens, turn.output_tokens, original_block_size, context_scale)
-        turns.append(Turn(turn.index, turn.hash_ids, scaled_input, scaled_output,
-                          turn.think_time_s, turn.offset_s, turn.request_type,
-                          turn.recorded_api_time_s))
+        turns.append(replace(turn, input_tokens=scaled_input, output_tokens=scaled_output))
     session.turns = turns
     session.block_size = scaled_block_size(original_block_size, context_scale)
+    session.head_tokens = session.head_tokens // original_block_size * session.block_size
     session.subagents = [scale_session(sub, original_block_size, context_scale)
                          for sub in session.subagents]
     return session
@@ -145,7 +147,9 @@ def parse_weka_trace(trace: dict, source: str = "<trace>", context_scale: float 
     block_size = int(trace.get("block_size", WEKA_BLOCK_SIZE))
     scope = f"weka:{trace_id}"
     main_requests = [r for r in trace["requests"] if r.get("type") != "subagent"]
-    session = Session(trace_id, _weka_turns(main_requests, source), block_size, scope)
+    head_tokens = int(trace.get("system_tokens") or 0) + int(trace.get("tool_tokens") or 0)
+    session = Session(trace_id, _weka_turns(main_requests, source), block_size, scope,
+                      head_tokens=head_tokens)
     main_offsets = [turn.offset_s for turn in session.turns]
     for entry in trace["requests"]:
         if entry.get("type") != "subagent":

@@ -112,3 +112,21 @@ def test_tiny_long_preset_serves_a_long_prompt_with_bounded_memory():
     assert len(out.token_ids) == 2
     assert max(sum(row[1] for row in step.rows) for step in steps) <= 2048
     assert grown_mb < 2048, f"peak memory grew by {grown_mb:.0f} MB"
+
+
+def test_agentx_with_added_traffic_reports_hits_by_kind_and_kv_group(few_traces, tmp_path):
+    """A fixed stream (one session per lane) with retries and compactions added, on a real engine:
+    every retry is served from the cache but for its last page, and the summary says where hits came from."""
+    out = tmp_path / "r.json"
+    code = main(["bench", "agentx", "--model", "preset:tiny-dense", "--traces", str(few_traces), "--lanes", "2",
+                 "--context-scale", "0.01", "--duration", "600", "--sessions-per-lane", "1",
+                 "--max-output-tokens", "2", "--retry-rate", "0.3", "--compaction", "--out", str(out)])
+    summary = json.loads(out.read_text())
+    assert code == 0 and summary["errors"] == 0
+    by_kind = summary["hit_rate_by_kind"]
+    assert {"turn", "retry"} <= set(by_kind)
+    retry = by_kind["retry"]
+    assert retry["input_tokens"] - retry["cached_tokens"] <= 16 * retry["requests"]  # tiny-dense: 16-token pages
+    kv = summary["kv"]
+    assert set(kv["group_hits"]) == {"kv"} and kv["hit_tokens"] >= summary["cached_tokens"] > 0
+    assert summary["config"]["sessions_per_lane"] == 1 and summary["config"]["compaction"] is True

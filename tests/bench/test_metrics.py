@@ -98,3 +98,16 @@ def test_summarize_refuses_a_zero_wall_time_or_no_gpus():
         summarize(hand_made_records(), wall_time_s=0.0, num_gpus=1)
     with pytest.raises(InvalidRequestError, match="num_gpus"):
         summarize(hand_made_records(), wall_time_s=1.0, num_gpus=0)
+
+
+def test_hit_rate_by_kind_splits_the_succeeded_requests_by_their_replay_label():
+    from dataclasses import replace
+
+    records = hand_made_records()
+    labelled = [replace(records[0], kind="first"), replace(records[1], kind="retry"),
+                replace(records[2], kind="retry"), replace(records[3], kind="retry")]
+    by_kind = summarize(labelled, wall_time_s=10.0, num_gpus=1)["hit_rate_by_kind"]
+    assert by_kind["first"] == {"requests": 1, "input_tokens": 1000, "cached_tokens": 800, "hit_rate": 0.8}
+    # the failed retry counts nowhere: (1900 + 2900) / (2000 + 3000)
+    assert by_kind["retry"] == {"requests": 2, "input_tokens": 5000, "cached_tokens": 4800, "hit_rate": 0.96}
+    assert "hit_rate_by_kind" not in summarize(records, wall_time_s=10.0, num_gpus=1)
