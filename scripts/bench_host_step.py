@@ -116,7 +116,8 @@ def measure_case(rows: int, groups: int, context: int, page_tokens: int, steps: 
 
     model_cfg = preset_config(VOCAB_PRESET, abstract=True)
     pages_per_row = -(-(context + warmup + steps + 8) // page_tokens)
-    manager = build_manager(groups, page_tokens, rows * groups * pages_per_row + 64)
+    # the scheduler keeps 1% of the pool free while others run (its watermark): room above that
+    manager = build_manager(groups, page_tokens, int(1.02 * rows * groups * pages_per_row) + 64)
     engine_cfg = EngineConfig(block_size=page_tokens, max_num_seqs=rows, max_num_batched_tokens=max(2048, rows),
                               max_model_len=context + warmup + steps + 64)
     engine = Engine(model_cfg, None, engine_cfg, kv=manager, runner=stub_runner(model_cfg, manager, page_tokens))

@@ -23,6 +23,7 @@ import numpy as np
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool, copy_pool_pages, new_pool
+from agentjax.page_table_rows import PageTableRows
 from agentjax.progress import Heartbeat
 from agentjax.ragged_batch import STATE_SAVE_BUCKETS, RaggedBatch, bucket
 from agentjax.runner.compilation_cache import compile_notice, describe_step_shape, enable_compilation_cache
@@ -84,6 +85,8 @@ class ModelRunner:
     drafter = None
     # With a drafter: each row's proposed next drafts from the last call, [rows, k].
     last_drafts: np.ndarray | None = None
+    # The batch page tables kept between steps (written where they changed; made on first use).
+    page_table_rows: PageTableRows | None = None
 
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
                  logprobs_mode: str = "raw_logprobs", drafting=None, kv_layout=None):
@@ -249,8 +252,11 @@ class ModelRunner:
                  ) -> tuple[RaggedBatch, SamplingMetadata, bool]:
         if kv_copies:
             self.copy_pages(kv_copies)
+        if self.page_table_rows is None:
+            self.page_table_rows = PageTableRows()
+        # each step waits for its tokens before the next is built, so the device has read the kept tables
         batch = RaggedBatch.build(rows, self.page_sizes, state_groups=self.state_groups, sample_counts=sample_counts,
-                                  state_interval=self.state_interval)
+                                  state_interval=self.state_interval, page_table_rows=self.page_table_rows)
         greedy_only = all(s[0] == 0.0 for s in sampling)
         meta = SamplingMetadata.greedy(batch.num_samples, self.cfg.vocab_size)
         if token_bitmask is not None:
