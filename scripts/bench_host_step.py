@@ -100,9 +100,10 @@ def start_decoding(engine, rows: int, context: int, seed: int) -> None:
         engine.add_request(prompt, sampling, request_id=f"row{i}")
     config = engine.scheduler.config
     engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=rows * context,
-                                                  long_prefill_token_threshold=0)
+                                                  long_prefill_token_threshold=0, trim_prefill_to_buckets=False)
     plan = engine.scheduler.schedule()
-    assert len(plan.scheduled) == rows and all(item.num_new_tokens == context for item in plan.scheduled)
+    assert len(plan.scheduled) == rows, f"{len(plan.scheduled)} of {rows} rows admitted"
+    assert all(item.num_new_tokens == context for item in plan.scheduled), [i.num_new_tokens for i in plan.scheduled]
     engine.scheduler.update_from_output(plan, [0] * rows)
     engine.scheduler.config = config
 

@@ -141,7 +141,7 @@ class PolicyEvictionOrder:
         return self.policy.unpin(key)
 
     def num_pinned(self) -> tuple[int, int]:
-        return self.policy.pins.num_pinned(self._ref_counts == 0)
+        return self.policy.pins.num_pinned(self._ref_counts)
 
     @property
     def pins(self):
