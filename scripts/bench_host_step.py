@@ -47,7 +47,7 @@ def build_manager(groups: int, page_tokens: int, num_pages: int):
     manager = KVCacheManager.from_specs(specs, num_pages, page_tokens, scale_tokens_per_page=False,
                                         cache_on_allocate=False,
                                         eviction_order=engine_eviction_order(engine_cfg.kv_policy))
-    assert len(manager.groups) == groups, len(manager.groups)
+    assert len(manager.plan.groups) == groups, len(manager.plan.groups)
     return manager
 
 
@@ -96,14 +96,15 @@ def start_decoding(engine, rows: int, context: int, seed: int) -> None:
     sampling = SamplingParams(max_tokens=1_000_000, temperature=0.0, ignore_eos=True)
     for i in range(rows):
         # small token ids: Python keeps one object per value, so 256 long prompts stay small in memory
-        prompt = rng.integers(1, 250, size=context).tolist()
+        # rows end `i % page_tokens` tokens short of `context`, so they fill pages on different steps
+        prompt = rng.integers(1, 250, size=context - i % engine.kv.block_size).tolist()
         engine.add_request(prompt, sampling, request_id=f"row{i}")
     config = engine.scheduler.config
     engine.scheduler.config = dataclasses.replace(config, max_num_batched_tokens=rows * context,
                                                   long_prefill_token_threshold=0, trim_prefill_to_buckets=False)
     plan = engine.scheduler.schedule()
     assert len(plan.scheduled) == rows, f"{len(plan.scheduled)} of {rows} rows admitted"
-    assert all(item.num_new_tokens == context for item in plan.scheduled), [i.num_new_tokens for i in plan.scheduled]
+    assert all(item.num_new_tokens == len(item.request.prompt_token_ids) for item in plan.scheduled)
     engine.scheduler.update_from_output(plan, [0] * rows)
     engine.scheduler.config = config
 
@@ -168,7 +169,9 @@ def markdown(after: dict, before: dict | None, command: str, args) -> str:
              f"{platform.python_version()}, run on {datetime.date.today().isoformat()} (1-minute load "
              f"{after['load']:.2f}; timings on a loaded machine are indicative only). The device is stubbed "
              "out: an `Engine` over the real `ModelRunner` host path whose jitted step returns at once, "
-             f"{args.context:,}-token contexts in pages of {args.page_tokens} tokens, every row decoding. A "
+             f"{args.context:,}-token contexts (row i {args.context:,} - i mod {args.page_tokens}, so rows fill pages on "
+             f"different steps) in pages of {args.page_tokens} tokens, every row decoding, the engine's default "
+             "`hints` eviction order. A "
              f"step is `Engine.step()` plus the `Engine.stats()` the server publishes after it; median and p99 "
              f"over {args.steps} steps after {args.warmup} warm-up steps. The planner charges "
              f"{after['planner_ms']:.3f} ms of host time per step (`Efficiency.step_overhead_s`, agentjax/bench/gpus.py)."
