@@ -2,8 +2,10 @@
 
 Each step a row's table is written only where it changed: the KV manager hands out a table as a list it
 never edits again (`KVCacheManager.block_ids`), so the same list object means the same table and costs
-nothing, a list that grew writes only its new pages, and a list that shrank zeroes its dropped tail. A
-request that moved to another row is copied from its old row. The buffers' width is the step's page
+nothing, and its edited copy (`agentjax.kv.groups.PageList`) says which leading pages it shares with the
+list written before, so only the pages after them are written. Other lists are compared with the row's
+last list (grown: only its new pages; shrunk: its dropped tail zeroed). A request that moved up a row
+is copied from its old row. The buffers' width is the step's page
 bucket, so `view` hands out a contiguous `[rows, pages]` array without a copy. Host only: numpy, no jax;
 never keeps a table it was not handed this step (rows past the batch are zeroed).
 """
@@ -42,13 +44,22 @@ class GroupTableRows:
     def write(self, tables: Sequence[Sequence[int]]) -> None:
         """Row r holds `tables[r]` (then zeros); rows past them hold zeros."""
         buffer, sources, lengths = self.buffer, self.sources, self.lengths
-        where = {id(source): row for row, source in enumerate(sources) if source is not None}
+        where = None  # row of each list written before, built when a row's list is new to it
         for row, table in enumerate(tables):
             old, length, written = sources[row], len(table), lengths[row]
             if old is table and length == written:
                 continue
+            if old is not None and getattr(table, "parent", None) is old:
+                shared = min(table.shared, written, length)  # the KV manager's copy of `old`, edited from here
+                buffer[row, shared:length] = table[shared:]
+                if length < written:
+                    buffer[row, length:written] = 0
+                sources[row], lengths[row] = table, length
+                continue
+            if where is None:
+                where = {id(source): r for r, source in enumerate(sources) if source is not None}
             moved = where.get(id(table))
-            if moved is not None and moved > row and sources[moved] is table:
+            if moved is not None and moved > row and sources[moved] is table and lengths[moved] == length:
                 # the request moved up (a row before it left): its old row is not rewritten yet this step
                 buffer[row, :length] = buffer[moved, :length]
             elif old is not None and written <= length and table[:written] == old:

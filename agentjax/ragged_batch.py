@@ -132,7 +132,8 @@ class RaggedBatch:
         kv_lens = np.zeros(padded_seqs, np.int32)
         kv_lens[:num_rows] = ends
 
-        lengths = np.array([[len(t) for t in tables] for tables in tables_per_row], np.int64).reshape(num_rows, -1)
+        lengths = np.fromiter(map(len, itertools.chain.from_iterable(tables_per_row)), np.int64,
+                              num_rows * num_groups).reshape(num_rows, num_groups)
         widths = [bucket(max(1, int(lengths[:, g].max())), page_buckets) for g in range(num_groups)]
         if page_table_rows is not None:
             page_indices = page_table_rows.update(tables_per_row, padded_seqs, widths)

@@ -78,3 +78,32 @@ def test_build_slot_mapping_and_samples():
 def test_build_names_the_row_whose_table_is_short():
     with pytest.raises(InvalidRequestError, match="row 1 needs 2 pages for 17 tokens"):
         RaggedBatch.build([([1], 0, [1]), ([2], 16, [3])], 16)
+
+
+def test_kept_rows_follow_the_kv_managers_edited_copies():
+    """Tables edited through `GroupTable.own_pages` (appends, pops, window drops, saves) are written from
+    the first page they no longer share, and equal fresh tables after every edit."""
+    from agentjax.kv.groups import GroupTable, PageList
+
+    rng = random.Random(7)
+    tables = [GroupTable(list(range(1 + 50 * i, 1 + 50 * i + rng.randrange(1, 30)))) for i in range(5)]
+    kept = PageTableRows()
+    for step in range(300):
+        for table in rng.sample(tables, 2):
+            edit = rng.random()
+            if edit < 0.4:
+                table.own_pages(len(table.pages)).extend(rng.randrange(1, 9000) for _ in range(rng.randrange(1, 3)))
+            elif edit < 0.6 and len(table.pages) > 1:
+                table.own_pages(len(table.pages) - 1).pop()
+            elif edit < 0.8:
+                j = rng.randrange(len(table.pages))
+                table.own_pages(j)[j] = 0
+            elif len(table.pages) > 1:
+                del table.own_pages(1)[1:]
+        handed = []
+        for table in tables:
+            table.handed_out = True
+            handed.append([table.pages])
+        views = kept.update(handed, 8, [128])
+        np.testing.assert_array_equal(views[0], fresh(handed, 8, [128])[0], err_msg=f"step {step}")
+    assert any(isinstance(table.pages, PageList) for table in tables)
