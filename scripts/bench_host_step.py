@@ -174,7 +174,8 @@ def markdown(after: dict, before: dict | None, command: str, args) -> str:
              "`hints` eviction order. A "
              f"step is `Engine.step()` plus the `Engine.stats()` the server publishes after it; median and p99 "
              f"over {args.steps} steps after {args.warmup} warm-up steps. The planner charges "
-             f"{after['planner_ms']:.3f} ms of host time per step (`Efficiency.step_overhead_s`, agentjax/bench/gpus.py)."
+             f"{after['planner_ms']:.3f} ms of host time per step (`Efficiency.step_overhead_s`, agentjax/bench/gpus.py"
+             + (f"; {before['planner_ms']:.3f} ms at {before['commit']}" if before else "") + ")."
              + (f" *before*: the code at {before['commit']} (`--base-repo`); *after*: this checkout."
                 if before else ""),
              "", "| rows | KV groups | pages per row | code | median ms / step | p99 ms | step alone, median ms |",

@@ -18,6 +18,14 @@ TERA = 1e12
 GIGA = 1e9
 
 
+# The host's time per decode step, which the device waits for: the median of 256 rows x 142K-token
+# contexts x 7 KV groups with the device stubbed out, measured by
+#     python scripts/bench_host_step.py --steps 100 --warmup 5 --base-repo ../base
+# (BENCHMARKS.md, "Host step"). Taken at a load average of 10 on 2 shared cores: rerun it on a quiet
+# machine and put its median here.
+HOST_STEP_S = 0.0358
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of peak a step reaches, per cost component, plus fixed costs.
@@ -33,7 +41,7 @@ class Efficiency:
     kv_memory: float = 0.7  # KV, indexer and recurrent-state reads and writes
     network: float = 0.6  # collectives on NVLink or the scale-out network
     offload: float = 0.8  # KV page copies over the host link and to or from the local disk
-    step_overhead_s: float = 0.003  # host scheduling, launch and sampling per step
+    step_overhead_s: float = HOST_STEP_S  # the host's share of a step (scheduling, KV manager, batch)
     layer_overhead_s: float = 20e-6  # small kernels (norms, routers, rope) per layer
     collective_latency_s: float = 15e-6  # per collective call
     compile_s: float = 0.0
