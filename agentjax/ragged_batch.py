@@ -8,6 +8,7 @@ A neutral type: the models, the runner and the kernels read it; it imports none 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from agentjax.buckets import PAGE_BUCKETS, SEQ_BUCKETS, STATE_SAVE_BUCKETS, TOKEN_BUCKETS, bucket  # noqa: F401
 from agentjax.errors import InvalidRequestError
+from agentjax.page_table_rows import PageTableRows
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +76,7 @@ class RaggedBatch:
         page_buckets: Sequence[int] = PAGE_BUCKETS,
         sample_counts: Sequence[int] | None = None,
         state_interval: int = 0,
+        page_table_rows: PageTableRows | None = None,
     ) -> "RaggedBatch":
         """A padded batch from rows of `(new_token_ids, num_computed_tokens, page_tables)`.
 
@@ -87,79 +90,96 @@ class RaggedBatch:
         `state_groups`, whose table is the one page holding the row's recurrent state, then (a prefill
         chunk) one page per multiple of `state_interval` strictly inside the chunk, in order: the state
         after that many tokens is saved there (the null page: not saved).
+
+        With `page_table_rows` (the runner's, kept between steps) the page tables are written only where
+        they changed since its last batch, and `page_indices` are views of its buffers, valid until the
+        next build with it; page lists must not be edited in place once passed (the KV manager's hold).
         """
         if not rows:
             raise InvalidRequestError("a batch needs at least one row")
-        num_tokens = sum(len(r[0]) for r in rows)
-        if any(len(r[0]) == 0 for r in rows):
+        num_rows = len(rows)
+        counts = np.fromiter((len(r[0]) for r in rows), np.int64, num_rows)
+        if not counts.all():
             raise InvalidRequestError("every batch row needs at least one new token")
+        num_tokens = int(counts.sum())
         tables_per_row = [_group_tables(r[2]) for r in rows]
         num_groups = len(tables_per_row[0])
         if any(len(tables) != num_groups for tables in tables_per_row):
             raise InvalidRequestError("every batch row needs a page table for each KV group")
         padded_tokens = bucket(num_tokens, token_buckets)
-        padded_seqs = bucket(len(rows), seq_buckets)
+        padded_seqs = bucket(num_rows, seq_buckets)
         sizes = [page_size] * num_groups if isinstance(page_size, (int, np.integer)) else list(page_size)
         if len(sizes) != num_groups:
             raise InvalidRequestError(f"{len(sizes)} page sizes for {num_groups} KV groups")
+        if sample_counts is not None and len(sample_counts) != num_rows:
+            raise InvalidRequestError(f"sample_counts has {len(sample_counts)} entries for {num_rows} rows")
+
+        # per row: first flat token, tokens already in its pages, KV length after the step
+        computed = np.fromiter((r[1] for r in rows), np.int64, num_rows)
+        starts = np.cumsum(counts) - counts
+        ends = computed + counts
+        row_of_token = np.repeat(np.arange(num_rows), counts)
+        pos = (np.arange(num_tokens) - starts[row_of_token] + computed[row_of_token]).astype(np.int32)
 
         token_ids = np.zeros(padded_tokens, np.int32)
+        token_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(r[0] for r in rows), np.int64, num_tokens)
         positions = np.zeros(padded_tokens, np.int32)
+        positions[:num_tokens] = pos
         seq_ids = np.full(padded_tokens, padded_seqs - 1, np.int32)
-        # Padding tokens write into the null page; their slot index stays inside it.
-        slot_mapping = [np.arange(padded_tokens, dtype=np.int32) % sizes[g] for g in range(num_groups)]
+        seq_ids[:num_tokens] = row_of_token
         cu_q_lens = np.full(padded_seqs + 1, num_tokens, np.int32)
+        cu_q_lens[:num_rows] = starts
         kv_lens = np.zeros(padded_seqs, np.int32)
-        page_indices = [
-            np.zeros((padded_seqs, bucket(max(1, max(len(t[g]) for t in tables_per_row)), page_buckets)), np.int32)
-            for g in range(num_groups)
-        ]
-        if sample_counts is not None and len(sample_counts) != len(rows):
-            raise InvalidRequestError(f"sample_counts has {len(sample_counts)} entries for {len(rows)} rows")
-        if sample_counts is None or all(c == 1 for c in sample_counts):
-            sample_counts = None
-            logits_indices = np.zeros(padded_seqs, np.int32)
-        else:
-            if any(not 1 <= c <= len(r[0]) for c, r in zip(sample_counts, rows)):
-                raise InvalidRequestError("each row samples between 1 and all of its new tokens")
-            logits_indices = np.zeros(bucket(max(sum(sample_counts), padded_seqs), seq_buckets), np.int32)
-        sample_offsets = np.full(len(logits_indices), -1, np.int32)
-        sampled = 0
-        token_groups = [g for g in range(num_groups) if g not in state_groups]
-        saves: list[tuple[int, int]] = []  # (flat token index, state table column)
+        kv_lens[:num_rows] = ends
 
-        start = 0
-        for row, ((new_tokens, num_computed, _), tables) in enumerate(zip(rows, tables_per_row)):
-            count = len(new_tokens)
-            end_pos = num_computed + count
-            pos = np.arange(num_computed, end_pos, dtype=np.int32)
-            for g in token_groups:
-                size = sizes[g]
-                if len(tables[g]) < -(-end_pos // size):
+        lengths = np.fromiter(map(len, itertools.chain.from_iterable(tables_per_row)), np.int64,
+                              num_rows * num_groups).reshape(num_rows, num_groups)
+        widths = [bucket(max(1, int(lengths[:, g].max())), page_buckets) for g in range(num_groups)]
+        if page_table_rows is not None:
+            page_indices = page_table_rows.update(tables_per_row, padded_seqs, widths)
+        else:
+            page_indices = tuple(np.zeros((padded_seqs, width), np.int32) for width in widths)
+            for row, tables in enumerate(tables_per_row):
+                for g in range(num_groups):
+                    page_indices[g][row, : len(tables[g])] = tables[g]
+        # Padding tokens write into the null page; their slot index stays inside it.
+        slot_mapping = []
+        for g in range(num_groups):
+            size = sizes[g]
+            slots = np.arange(padded_tokens, dtype=np.int32) % size
+            if g not in state_groups:
+                needed = -(-ends // size)
+                short = np.flatnonzero(lengths[:, g] < needed)
+                if len(short):
+                    row = int(short[0])
                     raise InvalidRequestError(
-                        f"row {row} needs {-(-end_pos // size)} pages for {end_pos} tokens, "
-                        f"its page table for KV group {g} has {len(tables[g])}"
+                        f"row {row} needs {needed[row]} pages for {ends[row]} tokens, "
+                        f"its page table for KV group {g} has {lengths[row, g]}"
                     )
-                table = np.asarray(tables[g], np.int32)
-                slot_mapping[g][start : start + count] = table[pos // size] * size + pos % size
-            for g in range(num_groups):
-                page_indices[g][row, : len(tables[g])] = tables[g]
-            if state_interval and state_groups and count > 1:
-                saves += _state_saves(num_computed, end_pos, start, state_interval, tables[state_groups[0]])
-            token_ids[start : start + count] = new_tokens
-            positions[start : start + count] = pos
-            seq_ids[start : start + count] = row
-            cu_q_lens[row] = start
-            kv_lens[row] = end_pos
-            if sample_counts is None:
-                logits_indices[row] = start + count - 1
-                sample_offsets[row] = 0
-            else:
-                samples = sample_counts[row]
-                logits_indices[sampled : sampled + samples] = np.arange(start + count - samples, start + count)
-                sample_offsets[sampled : sampled + samples] = np.arange(samples)
-                sampled += samples
-            start += count
+                slots[:num_tokens] = page_indices[g][row_of_token, pos // size] * size + pos % size
+            slot_mapping.append(slots)
+
+        if sample_counts is None or all(c == 1 for c in sample_counts):
+            logits_indices = np.zeros(padded_seqs, np.int32)
+            logits_indices[:num_rows] = starts + counts - 1
+            sample_offsets = np.full(padded_seqs, -1, np.int32)
+            sample_offsets[:num_rows] = 0
+        else:
+            samples = np.asarray(sample_counts, np.int64)
+            if ((samples < 1) | (samples > counts)).any():
+                raise InvalidRequestError("each row samples between 1 and all of its new tokens")
+            num_sampled = int(samples.sum())
+            logits_indices = np.zeros(bucket(max(num_sampled, padded_seqs), seq_buckets), np.int32)
+            sample_offsets = np.full(len(logits_indices), -1, np.int32)
+            # the i-th sample of a row is its token (count - samples + i)
+            offsets = np.arange(num_sampled) - np.repeat(np.cumsum(samples) - samples, samples)
+            logits_indices[:num_sampled] = np.repeat(starts + counts - samples, samples) + offsets
+            sample_offsets[:num_sampled] = offsets
+        saves: list[tuple[int, int]] = []  # (flat token index, state table column)
+        if state_interval and state_groups:
+            for row in np.flatnonzero(counts > 1).tolist():
+                saves += _state_saves(int(computed[row]), int(ends[row]), int(starts[row]), state_interval,
+                                      tables_per_row[row][state_groups[0]])
         num_saves = bucket(max(1, len(saves)), STATE_SAVE_BUCKETS)
         state_save_tokens = np.full(num_saves, padded_tokens, np.int32)
         state_save_cols = np.zeros(num_saves, np.int32)

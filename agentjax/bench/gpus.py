@@ -19,6 +19,14 @@ TERA = 1e12
 GIGA = 1e9
 
 
+# The host's share of a step (scheduler, KV manager, batch building), which the device waits for.
+# scripts/bench_host_step.py measures it with the device stubbed (BENCHMARKS.md, "Host step"): 2.6 ms
+# median for 48 rows x 2 KV groups of 142K-token contexts, the planner's lane counts, and 35.8 ms for
+# 256 rows x 7 groups (both at a load average of 10 on 2 shared cores), so 3 ms holds for the
+# projections' batches and not yet for 256-row steps.
+HOST_STEP_S = 0.003
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of peak a step reaches, per cost component, plus fixed costs.
@@ -34,7 +42,7 @@ class Efficiency:
     kv_memory: float = 0.7  # KV, indexer and recurrent-state reads and writes
     network: float = 0.6  # collectives on NVLink or the scale-out network
     offload: float = 0.8  # KV page copies over the host link and to or from the local disk
-    step_overhead_s: float = 0.003  # host scheduling, launch and sampling per step
+    step_overhead_s: float = HOST_STEP_S  # the host's share of a step (scheduling, KV manager, batch)
     layer_overhead_s: float = 20e-6  # small kernels (norms, routers, rope) per layer
     collective_latency_s: float = 15e-6  # per collective call
     compile_s: float = 0.0

@@ -259,6 +259,9 @@ class BlockPool:
         self.page_group[page] = -1
         self.unmap_count += 1
         self.page_unmapped_at[page] = self.unmap_count
+        emptied = getattr(self.eviction_order, "page_emptied", None)
+        if emptied is not None:  # it may be a free page: an eviction order that takes empty pages first
+            emptied(page)
         self.num_cached -= 1
         self.evictions += count
         if self.enable_events:

@@ -16,6 +16,14 @@ from agentjax.kv.known_runs import KnownRuns
 from agentjax.kv.specs import KVGroup
 
 
+class PageList(list):
+    """A table's page list copied from the one handed out before it (`GroupTable.own_pages`): `parent`
+    is that list (None once this list was copied in turn) and its first `shared` pages are still the same,
+    so a holder of the parent (the runner's kept page tables) rewrites only the pages from `shared` on."""
+
+    __slots__ = ("parent", "shared")
+
+
 @dataclass
 class GroupTable:
     """One request's pages in one group: `pages[j]` holds tokens [j*T, (j+1)*T) (NULL_PAGE if not held).
@@ -29,12 +37,22 @@ class GroupTable:
     save_points: list[int] = field(default_factory=list)  # checkpoint groups: tokens saved in pages[1:]
     handed_out: bool = False  # `pages` went out through `KVCacheManager.block_ids`: never edit it in place
 
-    def own_pages(self) -> list[int]:
-        """`pages`, ready to edit in place: copied first if it was handed out (the holder's list stays as
-        it was), so a step's tables are not copied while they do not change."""
+    num_dropped: int = 0  # window groups: leading pages already replaced by NULL_PAGE
+
+    def own_pages(self, edit_from: int = 0) -> list[int]:
+        """`pages`, ready to edit in place from index `edit_from` on: copied first if it was handed out
+        (the holder's list stays as it was), so a step's tables are not copied while they do not change.
+        The copy records which pages it still shares with the list handed out (`PageList`)."""
         if self.handed_out:
-            self.pages = list(self.pages)
+            parent = self.pages
+            if isinstance(parent, PageList):
+                parent.parent = None  # one link back is all a holder reads: no chain of old lists
+            copy = PageList(parent)
+            copy.parent, copy.shared = parent, len(parent)
+            self.pages = copy
             self.handed_out = False
+        if isinstance(self.pages, PageList):
+            self.pages.shared = min(self.pages.shared, edit_from)
         return self.pages
 
 
@@ -198,12 +216,13 @@ class WindowGroup(GroupManager):
 
     def pages_out_of_window(self, table: GroupTable, num_computed: int) -> list[int]:
         """Replace pages that no future query reads by NULL_PAGE; return them oldest first."""
-        first_needed = self.first_needed_page(num_computed)
+        first_needed = min(self.first_needed_page(num_computed), len(table.pages))
         dropped = []
-        for j in range(min(first_needed, len(table.pages))):
+        for j in range(table.num_dropped, first_needed):  # the pages before num_dropped are NULL already
             if table.pages[j] != NULL_PAGE:
                 dropped.append(table.pages[j])
-                table.own_pages()[j] = NULL_PAGE
+                table.own_pages(j)[j] = NULL_PAGE
+        table.num_dropped = max(table.num_dropped, first_needed)
         return dropped
 
     def release_order(self, table: GroupTable) -> list[int]:

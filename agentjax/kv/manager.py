@@ -253,7 +253,7 @@ class KVCacheManager(PrefixLookupMixin, CapacityReadsMixin, RecurrentStateMixin)
         if sum(growth):
             group_pages, _, _ = self.pool.take(growth)
             for table, pages in zip(request.tables, group_pages):
-                table.own_pages().extend(pages)
+                table.own_pages(len(table.pages)).extend(pages)
 
     def release_lookahead(self, req_id: str, accepted_drafts: int = 0) -> int:
         """Give back each group's trailing pages that hold neither one of the request's tokens nor the
@@ -272,7 +272,7 @@ class KVCacheManager(PrefixLookupMixin, CapacityReadsMixin, RecurrentStateMixin)
                 continue
             keep = max(group.num_pages_for(request.tokens.size + 1), table.num_cached_pages)
             while len(table.pages) > keep:
-                released.append(table.own_pages().pop())
+                released.append(table.own_pages(len(table.pages) - 1).pop())
         if released:
             request.undo = None
             self.pool.release(np.asarray(released, dtype=np.int64))

@@ -62,7 +62,7 @@ class PinnedEvictionOrder(LRUEvictionOrder):
 
     def num_pinned(self) -> tuple[int, int]:
         """(pages under a live pin, of which free)."""
-        return self.pins.num_pinned(self._ref_counts == 0)
+        return self.pins.num_pinned(self._ref_counts)
 
     def pin_keys(self) -> list[Hashable]:
         return self.pins.keys()

@@ -101,11 +101,15 @@ class PinTable:
         self.expire()
         return self.count[pages] > 0
 
-    def num_pinned(self, free: np.ndarray | None = None) -> tuple[int, int]:
-        """(pages under a live pin, of which free), `free` marking the free pages (None: none)."""
+    def num_pinned(self, ref_counts: np.ndarray | None = None) -> tuple[int, int]:
+        """(pages under a live pin, of which free: reference count 0 in `ref_counts`; None: none free).
+        Reads the pins' pages only, never the whole pool (the server reads it after every step)."""
         self.expire()
-        pinned = self.count > 0
-        return int(np.count_nonzero(pinned)), 0 if free is None else int(np.count_nonzero(pinned & free))
+        if not self._pins:
+            return 0, 0
+        pages = distinct_pages(np.concatenate([pin.pages for pin in self._pins.values()]))
+        pages = pages[self.count[pages] > 0]
+        return len(pages), 0 if ref_counts is None else int(np.count_nonzero(ref_counts[pages] == 0))
 
     # -- changes ---------------------------------------------------------------------------------
     def pin(self, key: Hashable, pages, expires_at: float | None = None) -> int:

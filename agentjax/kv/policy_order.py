@@ -28,7 +28,8 @@ class PolicyEvictionOrder:
     """An `EvictionOrder` (agentjax.kv.eviction) that asks a `KVPolicy` which free pages to take.
 
     Free pages that hold no cached block go first (nothing is lost); the policy orders the cached
-    ones. Each allocation scans the free pages once in numpy (O(free pages), no per-page Python).
+    ones. Empty free pages are read from a cursor below which there is none; only when they run out does
+    an allocation scan the free pages (O(free pages) in numpy, no per-page Python).
     The manager's `pin_request` / `pin_prefix` / `unpin` reach the policy's pins through `pin`.
     """
 
@@ -39,9 +40,11 @@ class PolicyEvictionOrder:
         self._page_group: np.ndarray | None = None
         self._pool = None
         self._last_state = np.zeros((0, len(PagePolicy._STATE_FIELDS)), dtype=np.int64)
+        self._cursor = 0  # no free page without a cached block lies below it (`_empty_from_cursor`)
 
     def bind(self, pool_ref_counts: np.ndarray) -> None:
         self._ref_counts = pool_ref_counts
+        self._cursor = 0
         self.policy.bind(len(pool_ref_counts))
 
     def bind_pool(self, pool) -> None:
@@ -67,6 +70,7 @@ class PolicyEvictionOrder:
     def push_free(self, pages: np.ndarray) -> None:
         if len(pages):
             self.policy.on_free(np.asarray(pages, dtype=np.int64))
+            self._lower_cursor(pages)
 
     def pop_victims(self, count: int, allowed: tuple[int, int] | None = None,
                     page_group: np.ndarray | None = None) -> np.ndarray:
@@ -75,6 +79,17 @@ class PolicyEvictionOrder:
         index = getattr(self._pool, "index", None)
         if allowed is not None and index is not None:
             return self._pop_indexed(index, count, allowed)
+        if allowed is None and index is None and self._page_group is not None:
+            empty = self._empty_from_cursor(count)
+            if len(empty) == count:
+                return self._victims(empty)
+            # every empty free page is in `empty`: the rest are cached free pages, in the policy's order
+            free = np.flatnonzero(self._ref_counts == 0)
+            cached = free[self._page_group[free] >= 0]
+            if len(empty) + len(cached) < count:
+                self._lower_cursor(empty)  # not taken after all
+                raise OutOfPagesError(f"eviction order holds {len(empty) + len(cached)} free pages, {count} requested")
+            return self._victims(np.concatenate([empty, self.policy.evict_order(cached, count - len(empty))]))
         if allowed is None:
             free = np.flatnonzero(self._ref_counts == 0)
         else:  # one page group's ids (a "pool" KV layout, agentjax/kv/slab_pool.py)
@@ -88,10 +103,44 @@ class PolicyEvictionOrder:
             victims = free[empty][:count]
             if len(victims) < count:
                 victims = np.concatenate([victims, self.policy.evict_order(free[~empty], count - len(victims))])
+        return self._victims(victims)
+
+    def _victims(self, victims: np.ndarray) -> np.ndarray:
         victims = victims.astype(np.int32)
         self._last_state = self.policy.page_state(victims)
         self.policy.on_evict(victims)
         return victims
+
+    def _empty_from_cursor(self, count: int) -> np.ndarray:
+        """Up to `count` free pages that hold no cached block, lowest id first, read from `_cursor` on in
+        chunks that double: no such page lies below the cursor (`_lower_cursor` keeps it so), so a pool
+        with empty pages left costs O(pages read past the cursor), not O(pool), per allocation."""
+        refs, groups = self._ref_counts, self._page_group
+        found: list[np.ndarray] = []
+        start, need, chunk = self._cursor, count, max(4096, 2 * count)
+        while need and start < len(refs):
+            stop = min(len(refs), start + chunk)
+            hits = start + np.flatnonzero((refs[start:stop] == 0) & (groups[start:stop] < 0))
+            if len(hits) >= need:
+                found.append(hits[:need])
+                self._cursor = int(hits[need - 1]) + 1
+                need = 0
+                break
+            found.append(hits)
+            need -= len(hits)
+            start, chunk = stop, 2 * chunk
+        if need:
+            self._cursor = len(refs)  # none left past the cursor
+        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
+    def _lower_cursor(self, pages: np.ndarray) -> None:
+        """`pages` may now be free and empty: the cursor moves down to the lowest of them."""
+        if len(pages):
+            self._cursor = min(self._cursor, int(np.min(pages)))
+
+    def page_emptied(self, page: int) -> None:
+        """The pool dropped `page`'s cached block while the page stays where it is (maybe free)."""
+        self._cursor = min(self._cursor, page)
 
     def _pop_indexed(self, index, count: int, allowed: tuple[int, int]) -> np.ndarray:
         """`pop_victims` over the group whose ids are `allowed`: its empty free pages lowest id first,
@@ -130,6 +179,7 @@ class PolicyEvictionOrder:
         return self._last_state
 
     def reinstate(self, pages: np.ndarray, positions: np.ndarray) -> None:
+        self._lower_cursor(pages)
         if len(pages):
             self.policy.restore_page_state(np.asarray(pages, dtype=np.int64), positions)
 
@@ -141,7 +191,7 @@ class PolicyEvictionOrder:
         return self.policy.unpin(key)
 
     def num_pinned(self) -> tuple[int, int]:
-        return self.policy.pins.num_pinned(self._ref_counts == 0)
+        return self.policy.pins.num_pinned(self._ref_counts)
 
     @property
     def pins(self):

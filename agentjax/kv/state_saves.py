@@ -50,7 +50,7 @@ def reserve_saves(group: CheckpointGroup, table: GroupTable, keys: list[BlockHas
         columns.pop()
     if not any(columns):
         return 0
-    table.own_pages().extend(columns)
+    table.own_pages(len(table.pages)).extend(columns)
     table.save_points = points[:len(columns)]
     return sum(1 for page in columns if page != NULL_PAGE)
 
@@ -70,7 +70,7 @@ def cache_saves(group: CheckpointGroup, table: GroupTable, keys: list[BlockHash]
             pool.cache_page(page, group.group_id, keys[index], keys[index - 1] if index else None)
             table.last_checkpoint = max(table.last_checkpoint, boundary)
         done.append(page)
-    del table.own_pages()[1:]
+    del table.own_pages(1)[1:]
     table.save_points = []
     if done:
         pool.release(np.asarray(done, dtype=np.int64))

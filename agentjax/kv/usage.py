@@ -27,7 +27,7 @@ def group_memory(manager) -> list[dict]:
         held = np.zeros(len(layout.groups), dtype=np.int64)
         for request in manager.running_requests():
             for group, table in enumerate(request.tables):
-                held[group] += sum(1 for page in table.pages if page != NULL_PAGE)
+                held[group] += len(table.pages) - table.pages.count(NULL_PAGE)
         free_cached = pool.page_group[(pool.ref_counts == 0) & (pool.page_group >= 0)]
         cached = np.bincount(free_cached, minlength=len(layout.groups))
         reserved = (held + cached) * layout.slab_bytes  # every page id in use spans every kind's page

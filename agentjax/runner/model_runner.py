@@ -23,6 +23,7 @@ import numpy as np
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool, copy_pool_pages, new_pool
+from agentjax.page_table_rows import PageTableRows
 from agentjax.progress import Heartbeat
 from agentjax.buckets import StepBuckets
 from agentjax.ragged_batch import STATE_SAVE_BUCKETS, RaggedBatch, bucket
@@ -85,6 +86,9 @@ class ModelRunner:
     drafter = None
     # With a drafter: each row's proposed next drafts from the last call, [rows, k].
     last_drafts: np.ndarray | None = None
+    # The batch page tables kept between steps (written where they changed; made on first use).
+    page_table_rows: PageTableRows | None = None
+    greedy_metadata: dict | None = None  # by sample count (`_greedy_metadata`)
 
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int, numerics: str = "fast",
                  logprobs_mode: str = "raw_logprobs", drafting=None, kv_layout=None,
@@ -253,12 +257,18 @@ class ModelRunner:
                  ) -> tuple[RaggedBatch, SamplingMetadata, bool]:
         if kv_copies:
             self.copy_pages(kv_copies)
+        if self.page_table_rows is None:
+            self.page_table_rows = PageTableRows()
+        # each step waits for its tokens before the next is built, so the device has read the kept tables
         buckets = self.step_buckets
         batch = RaggedBatch.build(rows, self.page_sizes, state_groups=self.state_groups, sample_counts=sample_counts,
-                                  state_interval=self.state_interval, token_buckets=buckets.tokens,
-                                  seq_buckets=buckets.rows, page_buckets=buckets.pages)
+                                  state_interval=self.state_interval, page_table_rows=self.page_table_rows,
+                                  token_buckets=buckets.tokens, seq_buckets=buckets.rows, page_buckets=buckets.pages)
         greedy_only = all(s[0] == 0.0 for s in sampling)
-        meta = SamplingMetadata.greedy(batch.num_samples, self.cfg.vocab_size)
+        if greedy_only and token_bitmask is None:
+            meta = self._greedy_metadata(batch.num_samples)
+        else:
+            meta = SamplingMetadata.greedy(batch.num_samples, self.cfg.vocab_size)
         if token_bitmask is not None:
             meta.token_bitmask[: len(token_bitmask)] = token_bitmask
         if not greedy_only:
@@ -274,6 +284,16 @@ class ModelRunner:
                 meta.num_generated[sample:stop] = np.arange(generated, generated + count)
                 sample = stop
         return batch, meta, greedy_only
+
+    def _greedy_metadata(self, num_samples: int) -> SamplingMetadata:
+        """The metadata of a greedy step without constraints, made once per sample count (its bitmask of
+        every token allowed is megabytes at a full vocabulary); never written after it is made."""
+        if self.greedy_metadata is None:
+            self.greedy_metadata = {}
+        meta = self.greedy_metadata.get(num_samples)
+        if meta is None:
+            meta = self.greedy_metadata[num_samples] = SamplingMetadata.greedy(num_samples, self.cfg.vocab_size)
+        return meta
 
     def _compiling(self, key: tuple):
         """Around a step call: the first call of a new shape compiles, and says so (agentjax.progress)."""
