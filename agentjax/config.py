@@ -323,9 +323,7 @@ class EngineConfig:
     # KV storage by vLLM's names: "fp8" (float8_e4m3fn rows, a float32 scale per token and head) for the
     # attention kinds, on the XLA attention path; "auto": the model config's choice (its dtype by default).
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
-    # The sizes a step pads its tokens, rows and page tables to, each shape one compiled executable:
-    # {"tokens": [...], "rows": [...], "pages": [...]} (any of them; a dict, its JSON text or a
-    # `StepBuckets`; stored parsed). None: agentjax/buckets.py's defaults.
+    # The sizes a step pads to (one compile each): agentjax.buckets.StepBuckets, a dict or its JSON; stored parsed.
     step_buckets: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -372,7 +370,6 @@ class EngineConfig:
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         from agentjax.buckets import StepBuckets
-
         object.__setattr__(self, "step_buckets", StepBuckets.parse(self.step_buckets))
 
     def model_config_for(self, model_cfg: ModelConfig) -> ModelConfig:
