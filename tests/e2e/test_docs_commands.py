@@ -50,6 +50,7 @@ RUNS = [
     ("docs/agent-harnesses.md", "curl -s http://127.0.0.1:8000/v1/messages", "server shell"),
     ("docs/agent-harnesses.md", "client.responses.create(", "server python"),
     ("docs/benchmarks.md", "--model preset:tiny-dense --out r.json", "cli"),
+    ("docs/benchmarks.md", "--compaction --out r.json", "cli"),
     ("docs/benchmarks.md", "agentjax bench agentx --url http://127.0.0.1:8000", "server shell"),
     ("docs/benchmarks.md", "agentjax bench report", "cli"),
     ("docs/benchmarks.md", "agentjax bench sweep-concurrency", "cli"),
