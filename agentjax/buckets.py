@@ -6,12 +6,12 @@ token buckets to avoid steps that pad far past one. Host only: never imports jax
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agentjax.errors import InvalidRequestError
+from agentjax.json_setting import json_setting
 
 # Small rows and tokens share one bucket: padding a decode batch of 1 row to 8 costs little next to
 # the weights every row reads, and padding rows reach no expert (agentjax/models/moe.py). Up to 256 the
@@ -62,12 +62,8 @@ class StepBuckets:
             return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"step_buckets is not valid JSON: {exc}") from None
-        if not isinstance(value, dict) or set(value) - {"tokens", "rows", "pages"}:
+        value = json_setting(value, "step_buckets", example='{"tokens": [256], "rows": [8]}')
+        if set(value) - {"tokens", "rows", "pages"}:
             raise InvalidRequestError(f'step_buckets takes a dict of "tokens", "rows" and "pages" lists, got {value!r}')
         return cls(**{name: tuple(sizes) for name, sizes in value.items()})
 

@@ -7,11 +7,11 @@ never imports jax.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 from agentjax.errors import SpeculativeConfigError
+from agentjax.json_setting import json_setting
 
 METHODS = ("ngram", "mtp", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -71,15 +71,8 @@ class SpeculativeConfig:
         """From a dict, its JSON text, a `SpeculativeConfig` or None (speculation off)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise SpeculativeConfigError(f"speculative_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise SpeculativeConfigError(
-                f"speculative_config must be a JSON object like {{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}; "
-                f"got {type(value).__name__}")
+        value = json_setting(value, "speculative_config", SpeculativeConfigError,
+                             example='{"method": "ngram", "num_speculative_tokens": 4}')
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from agentjax.errors import InvalidRequestError
+from agentjax.json_setting import json_setting
 
 StructuredKind = Literal["json_schema", "json_object", "lark", "regex"]
 
@@ -35,13 +36,7 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutput:
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as error:
-                raise InvalidRequestError(f"the JSON schema is not valid JSON: {error}") from error
-        if not isinstance(schema, dict):
-            raise InvalidRequestError(f"a JSON schema must be an object; got {type(schema).__name__}")
+        schema = json_setting(schema, "the JSON schema")
         return cls("json_schema", json.dumps(schema))  # key order kept: it is the property order
 
     @classmethod

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from agentjax.bench.agentx import AgentxConfig, AgentxRun, load_sessions
-from agentjax.bench.metrics import RequestRecord
-from agentjax.bench.traces import TokenIdRange
 from agentjax.cli import main
+from tests.bench.recording_client import RecordingClient
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "agentx-dev"
 pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no dev traces at {TRACES}")
@@ -42,27 +41,12 @@ def test_agentx_in_process(few_traces, tmp_path):
 
 def test_lanes_start_part_way_and_truncate(few_traces):
     """Seeded start turns in the middle half of the session; prompts capped by --max-context."""
-    sent = []
-
-    class Recorder:
-        token_range = TokenIdRange()
-        max_prompt_tokens = None
-
-        async def start(self):
-            pass
-
-        async def close(self):
-            pass
-
-        async def send(self, request):
-            sent.append(request)
-            return RequestRecord(0.0, 0.0, 0.0, len(request.prompt), 0, request.max_tokens,
-                                 session_id=request.session_id, turn_index=request.turn_index)
-
+    client = RecordingClient()
     config = AgentxConfig(traces=str(few_traces), lanes=3, context_scale=0.01, duration_s=0.2,
                           max_context=100, seed=7)
     sessions = load_sessions(config)
-    asyncio.run(AgentxRun(config, sessions, Recorder()).run())
+    asyncio.run(AgentxRun(config, sessions, client).run())
+    sent = client.sent
     assert sent and all(len(r.prompt) <= 100 for r in sent)
     firsts = {}
     for request in sent:

@@ -8,10 +8,10 @@ import pytest
 
 from agentjax.bench.agentx import AgentxConfig, AgentxRun
 from agentjax.bench.generate import LogNormal
-from agentjax.bench.metrics import RequestRecord
 from agentjax.bench.trace_augment import TraceAugmentConfig, augment_session, augment_sessions
-from agentjax.bench.traces import Session, TokenIdRange, Turn, prompt_token_ids, scale_session
+from agentjax.bench.traces import Session, Turn, prompt_token_ids, scale_session
 from agentjax.errors import InvalidRequestError
+from tests.bench.recording_client import RecordingClient
 
 BLOCK = 64
 HEAD_BLOCKS = 3
@@ -144,29 +144,12 @@ def test_bad_shares_are_refused():
 
 def _replay(sessions, **config_args) -> list:
     """(request, its record's kind) for each request an AgentX replay sends, in order."""
-    sent = []
-
-    class Recorder:
-        token_range = TokenIdRange()
-        max_prompt_tokens = None
-
-        async def start(self):
-            pass
-
-        async def close(self):
-            pass
-
-        async def send(self, request):
-            sent.append(request)
-            return RequestRecord(0.0, 0.0, 0.0, len(request.prompt), 0, request.max_tokens,
-                                 session_id=request.session_id, turn_index=request.turn_index)
-
+    client = RecordingClient()
     config = AgentxConfig(duration_s=3600.0, warmup_requests_per_lane=0, **config_args)
-    run = AgentxRun(config, sessions, Recorder())
+    run = AgentxRun(config, sessions, client)
     asyncio.run(run.run())
-    assert len(run.records) == len(sent)
-    return [(request, record.kind) for request, (record, _) in zip(sent, run.records)]
-    return sent
+    assert len(run.records) == len(client.sent)
+    return [(request, record.kind) for request, (record, _) in zip(client.sent, run.records)]
 
 
 def test_sessions_per_lane_fixes_the_stream_and_labels_each_request():
