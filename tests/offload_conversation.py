@@ -8,12 +8,22 @@ from agentjax.config import EngineConfig
 from agentjax.engine import Engine
 from agentjax.sampling_params import SamplingParams
 
+from tests.step_buckets import REAL_MODEL_BUCKETS, pinned_buckets
+
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-BASE = dict(numerics="batch_invariant", max_num_batched_tokens=512, num_kv_blocks=96)
+# Every step of a tiny model one shape (prompts of up to 256 tokens); a real model's engine passes its own.
+BASE = dict(numerics="batch_invariant", max_num_batched_tokens=512, num_kv_blocks=96,
+            step_buckets=pinned_buckets(256))
 
 
 def make_engine(model_cfg, params, tokenizer, **settings) -> Engine:
     return Engine(model_cfg, params, EngineConfig(**{**BASE, **settings}), tokenizer)
+
+
+def make_llm_engine(llm, **settings) -> Engine:
+    """An engine on a real model's `LLM` (SmolLM2): small decode steps, one prefill bucket."""
+    return make_engine(llm.model_config, llm.params, llm.tokenizer, **{"step_buckets": REAL_MODEL_BUCKETS,
+                                                                        **settings})
 
 
 def evict_device_cache(engine: Engine) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 from agentjax.sampling_params import SamplingParams
 from tests.sharding.parity import need_devices
+from tests.step_buckets import STEP_BUCKETS
 
 PROMPTS = ([1, 5, 9, 200, 31, 77, 1000, 4, 8, 15, 16, 23, 42, 108, 4815, 1623, 42, 9, 99, 3, 12],
            [7, 7, 7, 300, 12, 64, 901, 33, 5], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [100, 200, 300],
@@ -20,7 +21,8 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 def _tokens(preset: str, **settings) -> list[list[int]]:
     from agentjax import LLM
 
-    llm = LLM(f"preset:{preset}", numerics="batch_invariant", num_kv_blocks=64, **settings)
+    llm = LLM(f"preset:{preset}", numerics="batch_invariant", num_kv_blocks=64, step_buckets=STEP_BUCKETS,
+              **settings)
     outs = llm.generate([list(p) for p in PROMPTS], GREEDY)
     return [o.token_ids for o in outs], llm
 
@@ -43,7 +45,7 @@ def test_dep_prefills_land_only_on_aligned_steps_on_every_rank():
     from agentjax import LLM
 
     llm = LLM("preset:tiny-kimi-k3", numerics="batch_invariant", num_kv_blocks=64, data_parallel_size=4,
-              enable_expert_parallel=True, prefill_schedule_interval=4)
+              enable_expert_parallel=True, prefill_schedule_interval=4, step_buckets=STEP_BUCKETS)
     engine = llm.engine
     sampling = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
     added_at = []
@@ -81,7 +83,8 @@ def _mixed_run(preset: str, **layout) -> list[tuple]:
                 SamplingParams(**plain, logprobs=3),
                 SamplingParams(**plain),
                 SamplingParams(**plain, prompt_logprobs=2, logprobs=1)]
-    llm = LLM(f"preset:{preset}", numerics="batch_invariant", num_kv_blocks=64, **layout)
+    llm = LLM(f"preset:{preset}", numerics="batch_invariant", num_kv_blocks=64, step_buckets=STEP_BUCKETS,
+              **layout)
     outs = llm.generate([list(p) for p in PROMPTS], sampling)
 
     def entries(items):

@@ -16,6 +16,8 @@ from agentjax.engine import Engine
 from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
+from tests.step_buckets import STEP_BUCKETS
+
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 11, 12, 13, 14, 30, 31, 32, 33]
 
 
@@ -25,7 +27,9 @@ def tiny():
 
 
 def engine_of(llm: LLM, **settings) -> Engine:
-    return Engine(llm.model_config, llm.params, EngineConfig(**{"num_kv_blocks": 128, **settings}), llm.tokenizer)
+    """An engine over the module's weights; one step shape unless `step_buckets` says otherwise."""
+    base = {"num_kv_blocks": 128, "step_buckets": STEP_BUCKETS}
+    return Engine(llm.model_config, llm.params, EngineConfig(**{**base, **settings}), llm.tokenizer)
 
 
 def run(engine: Engine, prompt, sampling: SamplingParams):
@@ -120,7 +124,7 @@ def test_a_frequency_penalty_stops_a_greedy_loop_from_repeating_tokens(tiny):
 
 
 def test_plain_steps_run_the_plain_step_and_extras_compile_per_bucket_not_per_request(tiny):
-    engine = engine_of(tiny)
+    engine = engine_of(tiny, step_buckets=None)  # the default buckets
     run(engine, PROMPT, SamplingParams(max_tokens=3, temperature=0.0))
     plain_shapes = set(engine.runner.compiled_shapes)
     assert all(len(key) == 4 for key in plain_shapes)  # (tokens, rows, pages, greedy): no extras

@@ -15,6 +15,8 @@ from agentjax.errors import InvalidRequestError
 from agentjax.kv.specs import fp8_row_bytes
 from agentjax.models import preset_config
 
+from tests.step_buckets import pinned_buckets
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PREFIX = [(j * 29 + 7) % 400 + 5 for j in range(40)]  # 2 whole 16-token pages are shared
 PROMPTS = [PREFIX + [(i * 53 + j * 13) % 400 + 5 for j in range(9 + 7 * i)] for i in range(4)]
@@ -22,7 +24,8 @@ PROMPTS = [PREFIX + [(i * 53 + j * 13) % 400 + 5 for j in range(9 + 7 * i)] for 
 
 def _engine(llm: LLM, **settings) -> Engine:
     base = dict(numerics="batch_invariant", kv_cache_dtype="fp8", kv_cache_memory_gb=0.01,
-                max_num_batched_tokens=256, enable_prefix_caching=False, state_checkpoint_tokens=16)
+                max_num_batched_tokens=256, enable_prefix_caching=False, state_checkpoint_tokens=16,
+                step_buckets=pinned_buckets(256))  # one step shape: the 4 prompts batched are 238 tokens
     return Engine(llm.model_config, llm.params, EngineConfig(**{**base, **settings}), llm.tokenizer)
 
 

@@ -10,6 +10,8 @@ import pytest
 from agentjax import LLM, SamplingParams
 from agentjax.errors import OutOfPagesError
 
+from tests.step_buckets import pinned_buckets
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -34,7 +36,7 @@ def test_groups_trade_memory_under_pressure_and_the_tokens_stay_those_of_a_large
     """Kimi-style: states saved every 64 tokens and latent pages compete for a 256 KiB pool; slabs go from
     one page group to the other and a request is preempted, yet every token equals a roomy pool's."""
     rounds = [_prompts(6, 300, 1), _prompts(6, 300, 2)]
-    settings = dict(numerics="batch_invariant", max_num_batched_tokens=64)
+    settings = dict(numerics="batch_invariant", max_num_batched_tokens=64, step_buckets=pinned_buckets(64))
     sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     roomy = LLM("preset:tiny-kimi-k3", kv_cache_memory_gb=0.05, **settings)
     expected = _serve(roomy, rounds, sampling)
@@ -48,7 +50,7 @@ def test_groups_trade_memory_under_pressure_and_the_tokens_stay_those_of_a_large
 @pytest.mark.slow
 def test_stats_report_each_page_groups_used_and_reserved_bytes():
     llm = LLM("preset:tiny-sliding", numerics="batch_invariant", kv_cache_memory_gb=0.001,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, step_buckets=pinned_buckets(64))
     _serve(llm, [_prompts(2, 90, 3)])
     groups = {row["group"]: row for row in llm.engine.stats()["kv_groups"]}
     assert set(groups) == {"kv.0", "kv.1"}  # the sliding kind, the full kind
@@ -63,7 +65,9 @@ def test_stats_report_each_page_groups_used_and_reserved_bytes():
 def test_a_prompt_storing_0_85_of_the_memory_is_admitted_and_runs_where_shared_ids_refuse_it():
     """Two sliding layers and one full layer: 128 B per token for good, 256 B per token of the window.
     A prompt storing 0.85 of 512 KiB runs on the pool; the shared layout reserves every layer per page."""
-    memory_gb, settings = 1 / 2048, dict(numerics="batch_invariant", max_num_batched_tokens=256)
+    # chunks of 256 tokens up to a context of about 210 pages: one step shape
+    memory_gb, settings = 1 / 2048, dict(numerics="batch_invariant", max_num_batched_tokens=256,
+                                         step_buckets=pinned_buckets(256, pages=256))
     prompt = [(7 * j) % 400 + 5 for j in range(int(0.85 * 2**19 - 2 * 8 * 128) // 128)]
     llm = LLM("preset:tiny-sliding", kv_cache_memory_gb=memory_gb, **settings)
     (tokens,) = _serve(llm, [[prompt]])[0]
@@ -82,7 +86,7 @@ def test_default_pages_stay_small_and_a_100_token_shared_prefix_hits(preset, hit
     saved every 112 tokens by default (cost-aware: a float32 state weighs 100 tokens of latent), so the
     first prompt that continues the prefix recomputes it and saves the state where the cached pages end
     (a branch state); the next resumes there."""
-    llm = LLM(preset, numerics="batch_invariant")
+    llm = LLM(preset, numerics="batch_invariant", step_buckets=pinned_buckets(256))  # buckets: no page setting
     layout = llm.engine.kv.layout
     assert layout.mode == "pool" and max(g.tokens_per_page for g in layout.groups if g.hit_rule != "checkpoint") <= 64
     shared = [(13 * j) % 400 + 5 for j in range(100)]

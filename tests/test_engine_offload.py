@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offload_conversation import GREEDY, evict_device_cache, expected_hits, make_engine, run_conversation  # noqa: E402
+from offload_conversation import (  # noqa: E402
+    GREEDY, evict_device_cache, expected_hits, make_engine, make_llm_engine, run_conversation,
+)
 
 from agentjax import LLM  # noqa: E402
 from agentjax.errors import OffloadTierError  # noqa: E402
@@ -53,7 +55,7 @@ def smollm2_turns(smollm2_invariant):
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2_invariant, smollm2_turns):
     llm = smollm2_invariant
-    engine = make_engine(llm.model_config, llm.params, llm.tokenizer, enable_prefix_caching=False)
+    engine = make_llm_engine(llm, enable_prefix_caching=False)
     return run_conversation(engine, *smollm2_turns, evict=False)[0]
 
 
@@ -62,7 +64,7 @@ def smollm2_reference(smollm2_invariant, smollm2_turns):
 def test_smollm2_conversation_from_each_tier_is_token_exact(smollm2_invariant, smollm2_turns, smollm2_reference,
                                                             tier, tmp_path, request):
     llm = smollm2_invariant
-    engine = make_engine(llm.model_config, llm.params, llm.tokenizer, **_tier_settings(tier, tmp_path, request))
+    engine = make_llm_engine(llm, **_tier_settings(tier, tmp_path, request))
     replies, cached, computed = run_conversation(engine, *smollm2_turns)
     assert replies == smollm2_reference
     offload = engine.stats()["kv_offload"]

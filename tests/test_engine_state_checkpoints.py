@@ -15,6 +15,8 @@ from agentjax.config import EngineConfig
 from agentjax.engine import Engine
 from agentjax.sampling_params import SamplingParams
 
+from tests.step_buckets import STEP_BUCKETS
+
 DATA = Path(__file__).parent / "models" / "data"
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 MODELS = {"tiny-kimi-k3": "preset:tiny-kimi-k3", "kimi-linear-a": str(DATA / "kimi-linear-a")}
@@ -22,7 +24,7 @@ MODELS = {"tiny-kimi-k3": "preset:tiny-kimi-k3", "kimi-linear-a": str(DATA / "ki
 
 def _engine(llm: LLM, **settings) -> Engine:
     base = dict(numerics="batch_invariant", num_kv_blocks=128, max_num_batched_tokens=128,
-                state_checkpoint_tokens=64)
+                state_checkpoint_tokens=64, step_buckets=STEP_BUCKETS)  # 128-token chunks: one step shape
     return Engine(llm.model_config, llm.params, EngineConfig(**{**base, **settings}), None)
 
 

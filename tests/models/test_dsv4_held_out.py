@@ -27,6 +27,7 @@ from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
 from tests.models.fixture_checkpoints import DATA, model as _model, page as _page, reference as _reference
+from tests.step_buckets import STEP_BUCKETS
 TOLERANCE = 1e-4
 
 
@@ -105,6 +106,6 @@ def test_greedy_tokens_through_llm_alone_and_in_chunks(name, tag, key):
     sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for chunk in (0, 8):
         llm = LLM(model=str(DATA / name), num_kv_blocks=64, block_size=_page(name), numerics="batch_invariant",
-                  long_prefill_token_threshold=chunk)
+                  long_prefill_token_threshold=chunk, step_buckets=STEP_BUCKETS)  # prompts of 20-72 tokens
         out = llm.generate([ref["prompt_ids"].tolist()], sampling)[0]
         assert list(out.token_ids) == ref[key].tolist(), chunk

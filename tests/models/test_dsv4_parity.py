@@ -35,6 +35,7 @@ from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
 from tests.models.fixture_checkpoints import DATA, model as _model, page as _page, reference as _reference
+from tests.step_buckets import pinned_buckets
 FIXTURES = ("deepseek-v4-a", "deepseek-v4-b")
 MIN_MARGIN = 2e-3  # transformers' top-1 margin below which a greedy token may flip on rounding
 
@@ -100,7 +101,8 @@ def test_every_step_matches_transformers_cached_generate_given_its_tokens(name):
 @pytest.mark.parametrize("name", FIXTURES)
 def test_greedy_tokens_equal_transformers_cached_generate_through_llm(name):
     ref = _reference(name)
-    llm = LLM(model=str(DATA / name), num_kv_blocks=64, block_size=_page(name))  # token-id prompts
+    llm = LLM(model=str(DATA / name), num_kv_blocks=64, block_size=_page(name),  # token-id prompts
+              step_buckets=pinned_buckets(128))
     out = llm.generate([ref["prompt_ids"].tolist()], SamplingParams(max_tokens=24, temperature=0.0,
                                                                      ignore_eos=True))[0]
     comparable = _comparable_steps(ref)
@@ -143,7 +145,8 @@ def _first_prompts() -> list[list[int]]:
 
 def _engine(**settings) -> Engine:
     cfg, params, _ = _model(EXACT_FIXTURE)
-    base = dict(numerics="batch_invariant", num_kv_blocks=512, max_num_batched_tokens=256)
+    base = dict(numerics="batch_invariant", num_kv_blocks=512, max_num_batched_tokens=256,
+                step_buckets=pinned_buckets(128))  # every step one shape: the property is the cache/chunk path
     return Engine(cfg, params, EngineConfig(**{**base, **settings}))
 
 

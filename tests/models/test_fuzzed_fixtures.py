@@ -31,6 +31,7 @@ from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
 from tests.models.fixture_checkpoints import DATA, model as _model, reference as _reference
+from tests.step_buckets import STEP_BUCKETS
 FIXTURES = ("fuzz-deepseek-v4-41", "fuzz-kimi-linear-3", "fuzz-minimax-m3-7")
 MIN_MARGIN = 2e-3
 TOLERANCE = 1e-4
@@ -83,6 +84,7 @@ def test_greedy_tokens_equal_transformers_through_llm(name):
     ref = _reference(name)
     comparable = (ref["generated_margins"] >= MIN_MARGIN) & ref["cached_uncached_agree"]
     assert comparable.all()  # the fixtures' prompts leave no near-tie in the 24 steps
-    llm = LLM(model=str(DATA / name), num_kv_blocks=64, block_size=_page(_model(name)[0]), numerics="batch_invariant")
+    llm = LLM(model=str(DATA / name), num_kv_blocks=64, block_size=_page(_model(name)[0]), numerics="batch_invariant",
+              step_buckets=STEP_BUCKETS)  # prompts of 26-46 tokens: one step shape
     out = llm.generate([ref["prompt_ids"].tolist()], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     assert list(out.token_ids) == ref["generated_ids"].tolist()

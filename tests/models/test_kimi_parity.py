@@ -20,6 +20,8 @@ from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner import make_step
 from agentjax.sampling_params import SamplingParams
 
+from tests.step_buckets import pinned_buckets
+
 DATA = Path(__file__).parent / "data"
 FIXTURES = ["kimi-linear-a", "kimi-linear-b"]
 MIN_MARGIN = 2e-3  # transformers' top-1 minus top-2 logit below which a differing token is a tie
@@ -46,7 +48,8 @@ def _tokens_agree(ours: list[int], reference) -> bool:
 def test_prompt_logits_and_greedy_tokens_match_transformers(name):
     reference = _reference(name)
     prompt = [int(t) for t in reference["prompt_ids"]]
-    llm = LLM(model=str(DATA / name), num_kv_blocks=64)  # token-id prompts: the directory has no tokenizer
+    # token-id prompts: the directory has no tokenizer
+    llm = LLM(model=str(DATA / name), num_kv_blocks=64, step_buckets=pinned_buckets(128))
     cfg, params = llm.model_config, llm.params
     assert llm.tokenizer is None and cfg.architecture == "kimi_linear"
     step = make_step(cfg, all_positions=True)
@@ -72,7 +75,8 @@ def _first_prompts() -> list[list[int]]:
 
 
 def _engine(llm: LLM, **settings) -> Engine:
-    base = dict(numerics="batch_invariant", num_kv_blocks=256, max_num_batched_tokens=128)
+    base = dict(numerics="batch_invariant", num_kv_blocks=256, max_num_batched_tokens=128,
+                step_buckets=pinned_buckets(128))  # every step one shape: the property is the cache/chunk path
     return Engine(llm.model_config, llm.params, EngineConfig(**{**base, **settings}), None)
 
 

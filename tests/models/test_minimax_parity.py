@@ -19,6 +19,7 @@ from agentjax.ragged_batch import RaggedBatch
 from agentjax.runner.step import make_step
 
 from tests.models.fixture_checkpoints import DATA, model as _model, reference as _reference
+from tests.step_buckets import pinned_buckets
 FIXTURES = ("minimax-m3-a", "minimax-m3-b")
 MIN_MARGIN = 2e-3  # transformers' top-1 margin below which a greedy token may flip on rounding
 
@@ -45,7 +46,7 @@ def test_prompt_logits_match_transformers(name):
 @pytest.mark.parametrize("name", FIXTURES)
 def test_greedy_tokens_match_transformers_through_llm(name):
     ref = _reference(name)
-    llm = LLM(model=str(DATA / name), num_kv_blocks=32)
+    llm = LLM(model=str(DATA / name), num_kv_blocks=32, step_buckets=pinned_buckets(128))
     out = llm.generate([ref["prompt_ids"].tolist()], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     confident = ref["generated_margins"] >= MIN_MARGIN
     assert confident.sum() >= 20  # the fixtures were made with clear margins
@@ -83,7 +84,10 @@ def _first_prompts() -> list[list[int]]:
 
 def _engine(**settings) -> Engine:
     cfg, params, _ = _model(EXACT_FIXTURE)
-    base = dict(numerics="batch_invariant", num_kv_blocks=128, max_num_batched_tokens=512)
+    # every step one shape (at most 8 rows of 16-token chunks, or 40-80-token prompts one at a time):
+    # the property is the cache, chunk and preemption paths
+    base = dict(numerics="batch_invariant", num_kv_blocks=128, max_num_batched_tokens=512,
+                step_buckets=pinned_buckets(128))
     return Engine(cfg, params, EngineConfig(**{**base, **settings}))
 
 
