@@ -1,6 +1,6 @@
 """Step buckets pinned for test engines of tiny models (`EngineConfig.step_buckets`): each step shape an
-engine reaches is a whole-model compile (5-27 s for a tiny preset on a CPU) while its steps run in
-microseconds whatever their padding, so a test engine pads every step to one token bucket, one row
+engine reaches is a whole-model compile (seconds to tens of seconds for a tiny preset on this CPU) while
+its steps run in milliseconds whatever their padding, so a test engine pads every step to one token bucket, one row
 bucket and one page-table width. Never for a test whose property is about shapes or buckets (batch
 invariance across padded shapes, warm-up, compile counts, the scheduler's trim to a bucket).
 """

@@ -43,8 +43,9 @@ def conversation(smollm2_invariant):
 @pytest.fixture(scope="module")
 def reference(smollm2_invariant, conversation):
     llm = smollm2_invariant
-    return run_conversation(make_engine(llm.model_config, llm.params, llm.tokenizer, step_buckets=None, enable_prefix_caching=False),
-                            *conversation, evict=False)[0]
+    engine = make_engine(llm.model_config, llm.params, llm.tokenizer, step_buckets=None,
+                         enable_prefix_caching=False)
+    return run_conversation(engine, *conversation, evict=False)[0]
 
 
 def _metrics(engine) -> str:
@@ -55,7 +56,8 @@ def _metrics(engine) -> str:
 def test_corrupt_and_truncated_disk_pages_are_recomputed_exactly(smollm2_invariant, conversation, reference, tmp_path,
                                                                  caplog):
     llm = smollm2_invariant
-    engine = make_engine(llm.model_config, llm.params, llm.tokenizer, step_buckets=None, disk_cache_dir=str(tmp_path / "kv"))
+    engine = make_engine(llm.model_config, llm.params, llm.tokenizer, step_buckets=None,
+                         disk_cache_dir=str(tmp_path / "kv"))
     hashes = engine.kv.prepare(conversation[0], None)[1]
 
     def damage(turn: int) -> None:
@@ -121,8 +123,8 @@ def test_a_killed_mooncake_master_degrades_to_the_local_tiers(smollm2_invariant,
     llm = smollm2_invariant
     settings = {"disk_cache_dir": str(tmp_path / "kv")} if local_tier == "disk" else {}
     with MooncakeMaster(log_path=tmp_path / "master.log") as master:
-        engine = make_engine(llm.model_config, llm.params, llm.tokenizer, step_buckets=None, mooncake_master=master.address,
-                             mooncake_segment_gb=0.25, **settings)
+        engine = make_engine(llm.model_config, llm.params, llm.tokenizer, step_buckets=None,
+                             mooncake_master=master.address, mooncake_segment_gb=0.25, **settings)
 
         def kill(turn: int) -> None:
             if turn == 0:
