@@ -38,7 +38,7 @@ def bucket(value: int, buckets: Sequence[int]) -> int:
 class StepBuckets:
     """One engine's buckets (`EngineConfig.step_buckets`): the defaults above, or fewer where compiles
     cost more than padding (a test of a tiny model pins one token bucket: each step shape it would
-    reach is a whole-model compile, and its steps cost microseconds whatever their padding). Past the
+    reach is a whole-model compile, and its steps cost milliseconds whatever their padding). Past the
     largest bucket a size doubles (`bucket`)."""
 
     tokens: tuple[int, ...] = TOKEN_BUCKETS
@@ -64,7 +64,8 @@ class StepBuckets:
             return value
         value = json_setting(value, "step_buckets", example='{"tokens": [256], "rows": [8]}')
         if set(value) - {"tokens", "rows", "pages"}:
-            raise InvalidRequestError(f'step_buckets takes a dict of "tokens", "rows" and "pages" lists, got {value!r}')
+            raise InvalidRequestError(
+                f'step_buckets takes a dict of "tokens", "rows" and "pages" lists, got {value!r}')
         return cls(**{name: tuple(sizes) for name, sizes in value.items()})
 
 
