@@ -19,10 +19,8 @@ Times taken on a loaded machine are indicative only (`os.getloadavg` is written 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -56,6 +54,7 @@ def stub_runner(model_cfg, manager, page_tokens: int):
     no compile): it returns token 0 for every sampled position."""
     import numpy as np
 
+    from agentjax.buckets import StepBuckets
     from agentjax.runner.model_runner import ModelRunner
 
     def step(params, kv_pages, batch, meta, *spec):
@@ -70,6 +69,7 @@ def stub_runner(model_cfg, manager, page_tokens: int):
     runner.num_pages = manager.num_pages
     runner.page_sizes = page_tokens
     runner.numerics = "batch_invariant"
+    runner.step_buckets = StepBuckets()
     runner.drafting = None
     runner.drafter = None
     runner.kv_pages = ()
@@ -163,14 +163,14 @@ def measure(args) -> dict:
 
 def markdown(after: dict, before: dict | None, command: str, args) -> str:
     from base_checkout import before_then_after
+    from benchmarks_md import run_line
 
     lines = [SECTION, "",
-             f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
-             f"{platform.python_version()}, run on {datetime.date.today().isoformat()} (1-minute load "
-             f"{after['load']:.2f}; timings on a loaded machine are indicative only). The device is stubbed "
-             "out: an `Engine` over the real `ModelRunner` host path whose jitted step returns at once, "
-             f"{args.context:,}-token contexts (row i {args.context:,} - i mod {args.page_tokens}, so rows fill pages on "
-             f"different steps) in pages of {args.page_tokens} tokens, every row decoding, the engine's default "
+             run_line(command, after["load"], "; timings on a loaded machine are indicative only")
+             + "The device is stubbed out: an `Engine` over the real `ModelRunner` host path whose jitted step "
+             f"returns at once, {args.context:,}-token contexts (row i {args.context:,} - i mod "
+             f"{args.page_tokens}, so rows fill pages on different steps) in pages of {args.page_tokens} tokens, "
+             "every row decoding, the engine's default "
              "`hints` eviction order. A "
              f"step is `Engine.step()` plus the `Engine.stats()` the server publishes after it; median and p99 "
              f"over {args.steps} steps after {args.warmup} warm-up steps. The planner charges "
