@@ -16,10 +16,8 @@ BENCHMARKS.md:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -157,11 +155,11 @@ def measure(args) -> dict:
 
 def markdown(after: dict, before: dict | None, command: str, args) -> str:
     from base_checkout import before_then_after
+    from benchmarks_md import run_line
 
     lines = [SECTION, "",
-             f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
-             f"{platform.python_version()}, run on {datetime.date.today().isoformat()} (1-minute load "
-             f"{after['load']:.2f}). Host only: the engine's KV manager (its layout from `kv_cache_memory_gb`, "
+             run_line(command, after["load"])
+             + "Host only: the engine's KV manager (its layout from `kv_cache_memory_gb`, "
              f"its eviction order), {args.live} requests running, then per request: allocate a {args.prompt}-token "
              f"prompt, cache it, {args.appends} one-token appends (each cached), free; median and p90 over "
              f"{args.requests} requests. *Mostly empty*: the pool as built; *full of cache*: 8,192-token sessions "

@@ -5,6 +5,9 @@ A section runs from its `## ` heading to the next `## ` heading or the end of th
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import platform
 import re
 from pathlib import Path
 
@@ -55,3 +58,11 @@ def benchmark_parser(doc: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     return parser
+
+
+def run_line(command: str, load: float, note: str = "") -> str:
+    """The opening a benchmark section states: the command, the machine, the date and the 1-minute load
+    (`note` adds to the load's parentheses), ending in a space for the section's own text."""
+    return (f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+            f"{platform.python_version()}, run on {datetime.date.today().isoformat()} (1-minute load "
+            f"{load:.2f}{note}). ")

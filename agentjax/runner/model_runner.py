@@ -20,12 +20,12 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from agentjax.buckets import StepBuckets
 from agentjax.config import ModelConfig
 from agentjax.kv.cache_layout import state_group_ids
 from agentjax.kv_buffers import KVPool, copy_pool_pages, new_pool
 from agentjax.page_table_rows import PageTableRows
 from agentjax.progress import Heartbeat
-from agentjax.buckets import StepBuckets
 from agentjax.ragged_batch import STATE_SAVE_BUCKETS, RaggedBatch, bucket
 from agentjax.runner.compilation_cache import compile_notice, describe_step_shape, enable_compilation_cache
 from agentjax.runner.drafters import SpecInputs
